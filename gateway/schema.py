@@ -1,0 +1,168 @@
+"""The gateway's read model: the records the control plane pushes to Redis.
+
+One schema, two sides. The control plane (Django) imports this module to serialise;
+the gateway (no Django) imports it to parse. Nothing here may import Django.
+
+Redis layout (all keys under the ``fw:cfg:`` prefix):
+
+- ``fw:cfg:version``            integer, bumped on every push
+- ``fw:cfg:key:<key_hash>``     KeyRecord JSON (absent once revoked)
+- ``fw:cfg:tenant:<tenant_id>`` TenantRecord JSON, limits embedded (one GET per request)
+- ``fw:cfg:catalog``            Catalog JSON: model families, versions, replicas
+- channel ``fw:cfg:changes``    Change JSON, published after every write so that
+                                gateways drop their cached copies at once
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+SCHEMA_VERSION = 1
+
+PREFIX = "fw:cfg:"
+VERSION_KEY = PREFIX + "version"
+CATALOG_KEY = PREFIX + "catalog"
+CHANGES_CHANNEL = PREFIX + "changes"
+
+API_KEY_PREFIX = "fw-"
+
+AdmissionClass = Literal["reserved", "standard", "best_effort"]
+ADMISSION_CLASSES: tuple[AdmissionClass, ...] = ("reserved", "standard", "best_effort")
+Pool = Literal["shared", "reserved"]
+Scope = Literal["chat", "models:read"]
+SCOPES: tuple[Scope, ...] = ("chat", "models:read")
+ChangeKind = Literal["key", "tenant", "catalog", "all"]
+
+
+def key_redis_key(key_hash: str) -> str:
+    return f"{PREFIX}key:{key_hash}"
+
+
+def tenant_redis_key(tenant_id: str) -> str:
+    return f"{PREFIX}tenant:{tenant_id}"
+
+
+def hash_api_key(secret: str, pepper: bytes) -> str:
+    """HMAC-SHA256 of the presented secret with the server-side pepper, hex.
+
+    Both sides hash the same way: the control plane when it stores a key, the
+    gateway on every request. The secret itself is never stored anywhere.
+    """
+    return hmac.new(pepper, secret.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    key_id: str
+    tenant_id: str
+    scopes: tuple[str, ...]
+    expires_at: int | None = None  # unix seconds, UTC; None = never
+
+    def is_expired(self, now_s: float) -> bool:
+        return self.expires_at is not None and now_s >= self.expires_at
+
+
+@dataclass(frozen=True, slots=True)
+class LimitRecord:
+    """Per tenant per model family. Plan defaults are resolved before pushing."""
+
+    rpm: int
+    tpm: int
+    max_context: int
+    max_output: int
+    kv_seconds_cap: int  # GiB·s of concurrent in-flight KV·seconds
+    reserved_kv: int  # GiB·s reserved floor (enterprise); 0 elsewhere
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRecord:
+    tenant_id: str
+    name: str
+    plan: str
+    admission_class: AdmissionClass
+    suspended: bool
+    limits: dict[str, LimitRecord] = field(default_factory=dict)  # model family -> limits
+
+    def limit_for(self, family: str) -> LimitRecord | None:
+        return self.limits.get(family)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRecord:
+    replica_id: str
+    base_url: str
+    pool: Pool
+
+
+@dataclass(frozen=True, slots=True)
+class ModelVersionRecord:
+    version: str  # e.g. "llama-70b-2026-05": the name replicas serve
+    family: str  # e.g. "llama-70b"
+    context_length: int
+    kv_bytes_per_token: int
+    tpot_target_ms: int
+    kv_capacity_tokens: int  # KV budget of one replica, in tokens
+    replicas: tuple[ReplicaRecord, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Catalog:
+    families: dict[str, str]  # family -> current version
+    versions: dict[str, ModelVersionRecord]
+
+    def resolve(self, model: str) -> ModelVersionRecord | None:
+        """An alias resolves to its family's current version; a pinned version stays."""
+        version = self.families.get(model, model)
+        return self.versions.get(version)
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    kind: ChangeKind
+    ident: str  # key hash, tenant id, or "" for catalog/all
+    version: int
+
+
+# -- serialisation ---------------------------------------------------------------------
+
+
+def dumps(record: Any) -> bytes:
+    payload = asdict(record)
+    payload["schema"] = SCHEMA_VERSION
+    return orjson.dumps(payload)
+
+
+def _load(raw: bytes | str) -> dict[str, Any]:
+    data: dict[str, Any] = orjson.loads(raw)
+    data.pop("schema", None)
+    return data
+
+
+def load_key(raw: bytes | str) -> KeyRecord:
+    data = _load(raw)
+    data["scopes"] = tuple(data["scopes"])
+    return KeyRecord(**data)
+
+
+def load_tenant(raw: bytes | str) -> TenantRecord:
+    data = _load(raw)
+    data["limits"] = {fam: LimitRecord(**lim) for fam, lim in data["limits"].items()}
+    return TenantRecord(**data)
+
+
+def load_catalog(raw: bytes | str) -> Catalog:
+    data = _load(raw)
+    versions = {}
+    for name, v in data["versions"].items():
+        v["replicas"] = tuple(ReplicaRecord(**r) for r in v["replicas"])
+        versions[name] = ModelVersionRecord(**v)
+    return Catalog(families=dict(data["families"]), versions=versions)
+
+
+def load_change(raw: bytes | str) -> Change:
+    return Change(**_load(raw))

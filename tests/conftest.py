@@ -1,0 +1,31 @@
+"""Session-wide backing services for the whole suite.
+
+Real services only: the machine's PostgreSQL and Redis when they answer (as in CI),
+embedded ones otherwise, and an embedded Kafka-protocol broker (Tansu) per session
+unless KAFKA_BOOTSTRAP points at one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from fairway.embedded import EmbeddedServices
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[EmbeddedServices]:
+    svc = EmbeddedServices()
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(services: EmbeddedServices) -> str:
+    return services.redis_url()
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(services: EmbeddedServices) -> str:
+    return services.kafka_bootstrap()
