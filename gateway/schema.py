@@ -9,6 +9,7 @@ Redis layout (all keys under the ``fw:cfg:`` prefix):
 - ``fw:cfg:key:<key_hash>``     KeyRecord JSON (absent once revoked)
 - ``fw:cfg:tenant:<tenant_id>`` TenantRecord JSON, limits embedded (one GET per request)
 - ``fw:cfg:catalog``            Catalog JSON: model families, versions, replicas
+- ``fw:key_last_used``          hash key_id -> unix seconds, written by gateways
 - channel ``fw:cfg:changes``    Change JSON, published after every write so that
                                 gateways drop their cached copies at once
 """
@@ -28,6 +29,9 @@ PREFIX = "fw:cfg:"
 VERSION_KEY = PREFIX + "version"
 CATALOG_KEY = PREFIX + "catalog"
 CHANGES_CHANNEL = PREFIX + "changes"
+# Written by gateways (HSET key_id -> unix seconds, batched off the hot path); the
+# control plane flushes it into ApiKey.last_used_at.
+KEY_LAST_USED_HASH = "fw:key_last_used"
 
 API_KEY_PREFIX = "fw-"
 
