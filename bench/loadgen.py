@@ -1,0 +1,240 @@
+"""Open-loop asyncio load generator for OpenAI-style SSE endpoints.
+
+Requests are sent at their workload arrival times (model time compressed by the speed
+factor), whatever happens to earlier ones — open loop, as real traffic is. Each stream is
+read chunk by chunk and timed: TTFT at the first content token, mean TPOT over the rest.
+Bounded in count (the workload), concurrency (``max_inflight``) and time (``deadline_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+
+from bench.stats import Outcome
+from bench.workload import PromptFactory, RequestSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where one request goes and as whom."""
+
+    url: str  # full URL of /v1/chat/completions
+    headers: dict[str, str] = field(default_factory=dict)
+    extra_body: dict[str, object] = field(default_factory=dict)
+
+
+Router = Callable[[RequestSpec], Target]
+
+
+def round_robin(base_urls: Sequence[str]) -> Router:
+    """Clients straight to replicas, in turn: arm (a), no gateway at all."""
+    cycle = itertools.cycle([u.rstrip("/") + "/v1/chat/completions" for u in base_urls])
+
+    def route(spec: RequestSpec) -> Target:
+        return Target(url=next(cycle))
+
+    return route
+
+
+@dataclass(slots=True)
+class RawResult:
+    """Wall-clock observations of one request (seconds on the loop clock)."""
+
+    spec: RequestSpec
+    status: int = 0
+    t_sent: float = 0.0
+    t_first: float | None = None
+    t_last: float | None = None
+    chunks: int = 0
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    error: str | None = None
+    retry_after_s: float | None = None
+
+
+def _retry_after(headers: aiohttp.typedefs.LooseHeaders) -> float | None:
+    h = dict(headers)  # type: ignore[arg-type]
+    raw_ms = h.get("retry-after-ms") or h.get("Retry-After-Ms")
+    if raw_ms:
+        with contextlib.suppress(ValueError):
+            return float(raw_ms) / 1000.0
+    raw = h.get("retry-after") or h.get("Retry-After")
+    if raw:
+        with contextlib.suppress(ValueError):
+            return float(raw)
+    return None
+
+
+class LoadGenerator:
+    def __init__(
+        self,
+        model: str,
+        route: Router,
+        prompts: PromptFactory,
+        *,
+        speed: float,
+        max_inflight: int = 2000,
+        read_timeout_s: float = 120.0,
+        ignore_eos: bool = True,
+    ) -> None:
+        self.model = model
+        self.route = route
+        self.prompts = prompts
+        self.speed = speed
+        self.max_inflight = max_inflight
+        self.read_timeout_s = read_timeout_s
+        self.ignore_eos = ignore_eos
+        self.inflight = 0
+
+    def body(self, spec: RequestSpec, extra: dict[str, object]) -> bytes:
+        payload: dict[str, object] = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": self.prompts.prompt(spec)}],
+            "max_tokens": spec.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "seed": spec.seed,
+        }
+        if self.ignore_eos:
+            # The workload, not the replica, decides the output length: the same seed
+            # gives the same request in every arm.
+            payload["ignore_eos"] = True
+        payload.update(extra)
+        return orjson.dumps(payload)
+
+    async def _one(self, session: aiohttp.ClientSession, spec: RequestSpec, res: RawResult) -> None:
+        loop = asyncio.get_running_loop()
+        target = self.route(spec)
+        headers = {"Content-Type": "application/json", "X-Request-Id": spec.request_id}
+        headers.update(target.headers)
+        data = self.body(spec, target.extra_body)
+        res.t_sent = loop.time()
+        async with session.post(target.url, data=data, headers=headers) as resp:
+            res.status = resp.status
+            if resp.status != 200:
+                res.retry_after_s = _retry_after(resp.headers)
+                body = await resp.read()
+                res.error = body[:300].decode("utf-8", "replace")
+                return
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    break
+                obj = orjson.loads(payload)
+                if "error" in obj:
+                    res.error = str(obj["error"].get("message", obj["error"]))[:300]
+                    continue
+                usage = obj.get("usage")
+                if usage:
+                    res.completion_tokens = usage.get("completion_tokens")
+                    res.prompt_tokens = usage.get("prompt_tokens")
+                for choice in obj.get("choices") or ():
+                    delta = choice.get("delta") or {}
+                    if delta.get("content"):
+                        now = loop.time()
+                        if res.t_first is None:
+                            res.t_first = now
+                        res.t_last = now
+                        res.chunks += 1
+
+    async def _guarded(
+        self, session: aiohttp.ClientSession, spec: RequestSpec, res: RawResult
+    ) -> None:
+        self.inflight += 1
+        try:
+            await self._one(session, spec, res)
+        except asyncio.CancelledError:
+            res.error = res.error or "cut off at the arm deadline"
+            raise
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+            res.error = f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            self.inflight -= 1
+
+    async def run(
+        self,
+        specs: Sequence[RequestSpec],
+        deadline_s: float,
+        on_done: Callable[[RawResult], None] | None = None,
+    ) -> list[RawResult]:
+        """Send every spec at ``at_s / speed`` wall seconds from now; stop at ``deadline_s``."""
+        loop = asyncio.get_running_loop()
+        results = [RawResult(spec=s) for s in specs]
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.read_timeout_s)
+        tasks: set[asyncio.Task[None]] = set()
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            t0 = loop.time()
+            end = t0 + deadline_s
+
+            async def dispatch() -> None:
+                for res in results:
+                    due = t0 + res.spec.at_s / self.speed
+                    if due >= end:
+                        break
+                    delay = due - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    if self.inflight >= self.max_inflight:
+                        res.t_sent = loop.time()
+                        res.error = "load generator at max_inflight"
+                        if on_done:
+                            on_done(res)
+                        continue
+                    task = asyncio.create_task(self._guarded(session, res.spec, res))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                    if on_done:
+                        task.add_done_callback(lambda _t, r=res: on_done(r))
+
+            dispatcher = asyncio.create_task(dispatch())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(dispatcher), timeout=max(0.0, deadline_s))
+            dispatcher.cancel()
+            remaining = end - loop.time()
+            if tasks and remaining > 0:
+                await asyncio.wait(set(tasks), timeout=remaining)
+            for task in list(tasks):
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            for res in results:
+                if res.t_sent:
+                    res.t_sent -= t0
+                    if res.t_first is not None:
+                        res.t_first -= t0
+                    if res.t_last is not None:
+                        res.t_last -= t0
+        return [r for r in results if r.t_sent or r.status or r.error]
+
+
+def to_outcome(raw: RawResult, admission_class: str, speed: float) -> Outcome:
+    """Wall-clock observations → model-time outcome."""
+    ttft = tpot = None
+    tokens = raw.completion_tokens if raw.completion_tokens is not None else raw.chunks
+    if raw.t_first is not None:
+        ttft = (raw.t_first - raw.t_sent) * speed
+        if raw.t_last is not None and tokens > 1:
+            tpot = (raw.t_last - raw.t_first) * speed / (tokens - 1)
+    return Outcome(
+        request_id=raw.spec.request_id,
+        tenant_id=raw.spec.tenant_id,
+        admission_class=admission_class,
+        status=raw.status,
+        sent_s=raw.t_sent * speed,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        completion_tokens=tokens if raw.t_first is not None else 0,
+        prompt_tokens=raw.prompt_tokens or raw.spec.prompt_tokens,
+        error=raw.error,
+        retry_after_s=raw.retry_after_s,
+    )

@@ -1,0 +1,149 @@
+"""Latency statistics, SLO attainment and goodput, in model time.
+
+The SLO of the design (§1): TTFT p95 < 1 s and TPOT p95 < 50 ms. Per request we say it
+met the SLO when it completed, its TTFT was under 1 s and its mean TPOT under 50 ms; a
+refused (429/503) or failed request did not meet it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+TTFT_SLO_S = 1.0
+TPOT_SLO_S = 0.050
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One request's result, all times in model seconds (wall × speed)."""
+
+    request_id: str
+    tenant_id: str
+    admission_class: str
+    status: int  # HTTP status; 0 = transport failure / not sent
+    sent_s: float  # model seconds since the start of the arm
+    ttft_s: float | None = None
+    tpot_s: float | None = None  # mean inter-token time of this request
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str | None = None
+    retry_after_s: float | None = None
+
+    @property
+    def completed(self) -> bool:
+        return self.status == 200 and self.error is None and self.ttft_s is not None
+
+    def met_slo(self, ttft_slo: float = TTFT_SLO_S, tpot_slo: float = TPOT_SLO_S) -> bool:
+        if not self.completed or self.ttft_s is None:
+            return False
+        if self.ttft_s >= ttft_slo:
+            return False
+        # A one-token answer has no inter-token gap: only TTFT applies.
+        return self.tpot_s is None or self.tpot_s < tpot_slo
+
+
+def percentile(values: Sequence[float] | np.ndarray, q: float) -> float:
+    """Linear-interpolated percentile; NaN for no data (rendered as '—')."""
+    if len(values) == 0:
+        return math.nan
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+@dataclass(frozen=True, slots=True)
+class Dist:
+    n: int
+    p50: float
+    p95: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: Iterable[float | None]) -> Dist:
+        xs = [v for v in values if v is not None]
+        return cls(len(xs), percentile(xs, 50), percentile(xs, 95), percentile(xs, 99))
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStats:
+    """Everything the reports show for one group of requests (a tenant or a class)."""
+
+    name: str
+    sent: int
+    completed: int
+    refused_429: int
+    refused_503: int
+    failed: int  # other statuses, transport errors, in-stream errors, cut off at the deadline
+    ttft: Dist
+    tpot: Dist
+    attainment: float  # share of sent requests that met the SLO
+    goodput_rps: float  # SLO-meeting requests per model second
+    goodput_tps: float  # output tokens of SLO-meeting requests per model second
+
+    @classmethod
+    def of(cls, name: str, outcomes: Sequence[Outcome], duration_s: float) -> GroupStats:
+        done = [o for o in outcomes if o.completed]
+        good = [o for o in outcomes if o.met_slo()]
+        n429 = sum(1 for o in outcomes if o.status == 429)
+        n503 = sum(1 for o in outcomes if o.status == 503)
+        return cls(
+            name=name,
+            sent=len(outcomes),
+            completed=len(done),
+            refused_429=n429,
+            refused_503=n503,
+            failed=len(outcomes) - len(done) - n429 - n503,
+            ttft=Dist.of(o.ttft_s for o in done),
+            tpot=Dist.of(o.tpot_s for o in done),
+            attainment=(len(good) / len(outcomes)) if outcomes else math.nan,
+            goodput_rps=len(good) / duration_s if duration_s > 0 else math.nan,
+            goodput_tps=sum(o.completion_tokens for o in good) / duration_s
+            if duration_s > 0
+            else math.nan,
+        )
+
+
+def group_by(
+    outcomes: Iterable[Outcome], key: Callable[[Outcome], str]
+) -> dict[str, list[Outcome]]:
+    groups: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        groups.setdefault(key(o), []).append(o)
+    return groups
+
+
+def within(value: float, reference: float, tolerance: float) -> bool:
+    """``value`` is at most ``reference`` × (1 + tolerance); NaNs never pass."""
+    if math.isnan(value) or math.isnan(reference):
+        return False
+    return value <= reference * (1.0 + tolerance)
+
+
+def rolling_percentile(
+    times: Sequence[float], values: Sequence[float], window_s: float, q: float, step_s: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile ``q`` of ``values`` over a sliding window of event ``times``, for plots."""
+    if len(times) == 0:
+        return np.empty(0), np.empty(0)
+    t = np.asarray(times, dtype=float)
+    v = np.asarray(values, dtype=float)
+    order = np.argsort(t)
+    t, v = t[order], v[order]
+    grid = np.arange(t[0] + window_s, t[-1] + step_s, step_s)
+    out = np.full(len(grid), np.nan)
+    lo_idx = np.searchsorted(t, grid - window_s, side="left")
+    hi_idx = np.searchsorted(t, grid, side="right")
+    for i, (lo, hi) in enumerate(zip(lo_idx, hi_idx, strict=True)):
+        if hi > lo:
+            out[i] = np.percentile(v[lo:hi], q)
+    return grid, out
+
+
+def fmt_ms(seconds: float) -> str:
+    return "—" if math.isnan(seconds) else f"{seconds * 1000:.0f}"
+
+
+def fmt_pct(share: float, digits: int = 1) -> str:
+    return "—" if math.isnan(share) else f"{share * 100:.{digits}f} %"

@@ -1,0 +1,63 @@
+"""Percentiles, SLO attainment and goodput as the reports compute them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from bench.stats import Dist, GroupStats, Outcome, percentile, rolling_percentile, within
+
+
+def _o(i: int, status: int = 200, ttft: float | None = 0.2, tpot: float | None = 0.03) -> Outcome:
+    return Outcome(
+        request_id=f"r{i}",
+        tenant_id="t",
+        admission_class="standard",
+        status=status,
+        sent_s=float(i),
+        ttft_s=ttft if status == 200 else None,
+        tpot_s=tpot if status == 200 else None,
+        completion_tokens=100 if status == 200 else 0,
+    )
+
+
+def test_percentile_interpolates_and_handles_empty() -> None:
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+    assert math.isnan(percentile([], 95))
+    d = Dist.of([None, 1.0, 3.0])
+    assert d.n == 2 and d.p50 == 2.0
+
+
+def test_slo_attainment_counts_refusals_and_slow_requests_as_misses() -> None:
+    outs = [
+        _o(0),
+        _o(1, ttft=1.5),  # TTFT miss
+        _o(2, tpot=0.06),  # TPOT miss
+        _o(3, status=429),
+        _o(4, status=503),
+        _o(5, tpot=None),  # one-token answer: only TTFT applies
+    ]
+    outs.append(Outcome("r6", "t", "standard", 200, 6.0, error="boom"))
+    g = GroupStats.of("t", outs, duration_s=10.0)
+    assert (g.sent, g.completed, g.refused_429, g.refused_503, g.failed) == (7, 4, 1, 1, 1)
+    assert g.attainment == pytest.approx(2 / 7)
+    assert g.goodput_rps == pytest.approx(0.2)
+    assert g.goodput_tps == pytest.approx(20.0)
+    assert g.ttft.p50 == pytest.approx(0.2)
+
+
+def test_within_tolerance() -> None:
+    assert within(1.09, 1.0, 0.10)
+    assert not within(1.11, 1.0, 0.10)
+    assert not within(math.nan, 1.0, 0.10)
+
+
+def test_rolling_percentile_window() -> None:
+    t = np.arange(100, dtype=float)
+    v = np.where(t < 50, 1.0, 10.0)
+    gx, gy = rolling_percentile(t, v, window_s=10, q=95, step_s=5)
+    assert gy[gx < 45].max() == 1.0
+    assert gy[gx > 65].min() == 10.0
