@@ -1,0 +1,247 @@
+"""Unit tests of the pure admission policy (gateway/policy.py)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway import policy
+from gateway.policy import AdmissionConfig, ReplicaView
+
+CFG = AdmissionConfig()
+KIB = 1024
+
+
+# -- §6 estimates ------------------------------------------------------------------------
+
+
+def test_tokens_estimate_is_prompt_plus_min_of_max_tokens_and_max_output() -> None:
+    assert policy.tokens_estimate(800, 4096, 2048) == 800 + 2048
+    assert policy.tokens_estimate(800, 100, 2048) == 900
+    assert policy.tokens_estimate(800, None, 2048) == 2848  # no max_tokens: the plan's max
+
+
+def test_est_out_defaults_to_max_output_and_honours_a_cap() -> None:
+    assert policy.est_out_for_kv(4096) == 4096
+    assert policy.est_out_for_kv(4096, cap=1200) == 1200
+    assert policy.est_out_for_kv(300, cap=1200) == 300
+
+
+def test_kv_estimate_matches_the_design_worked_example() -> None:
+    # §6 at TPOT 40 ms, 320 KiB/token: a 128k prompt with 1,000 output tokens.
+    gib_s = policy.kv_gib_seconds(128_000, 1000, 320 * KIB, 0.040)
+    assert gib_s == pytest.approx((128_000 + 500) * 320 * KIB * 1000 * 0.040 / 2**30)
+    small = policy.kv_gib_seconds(200, 100, 320 * KIB, 0.040)
+    # output appears squared: twice the output holds ~twice the memory twice as long
+    assert policy.kv_gib_seconds(0, 200, 320 * KIB, 0.04) == pytest.approx(
+        4 * policy.kv_gib_seconds(0, 100, 320 * KIB, 0.04))
+    assert gib_s / small > 1000
+    assert policy.to_milli(0.0001) == 1 and policy.to_milli(2.5) == 2500
+
+
+@pytest.mark.parametrize(("measured", "age", "expected"), [
+    (0.020, 1.0, 0.040),   # faster than target: floored at target (never optimistic)
+    (0.070, 1.0, 0.070),   # measured inside the band: used as is
+    (0.500, 1.0, 0.160),   # one stuck replica: clamped at 4 x target
+    (0.070, 61.0, 0.080),  # measurement stale (> 60 s): 2 x target
+    (None, 0.0, 0.080),    # no measurement at all: 2 x target
+])
+def test_tpot_estimate_clamps_and_falls_back(measured: float | None, age: float,
+                                             expected: float) -> None:
+    assert policy.tpot_estimate(measured, age, 0.040) == pytest.approx(expected)
+
+
+# -- §7 / R2 classes ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("cls", "load", "ok"), [
+    ("standard", 0.84, True), ("standard", 0.85, False),
+    ("best_effort", 0.59, True), ("best_effort", 0.60, False),
+    ("reserved", 0.92, True), ("reserved", 0.921, False),
+])
+def test_class_thresholds(cls: policy.EffectiveClass, load: float, ok: bool) -> None:
+    assert policy.replica_admits(cls, load, CFG) is ok
+
+
+def test_reserved_tenant_is_reserved_only_under_its_own_floor() -> None:
+    assert policy.effective_class("reserved", 0, 5000) == "reserved"
+    assert policy.effective_class("reserved", 4999, 5000) == "reserved"
+    assert policy.effective_class("reserved", 5000, 5000) == "standard"
+    assert policy.effective_class("reserved", 0, 0) == "standard"  # no floor sold
+    assert policy.effective_class("best_effort", 0, 5000) == "best_effort"
+
+
+def test_reserved_pool_admits_only_floor_traffic() -> None:
+    assert policy.pool_admits("reserved", "reserved")
+    assert not policy.pool_admits("standard", "reserved")
+    assert not policy.pool_admits("best_effort", "reserved")
+    assert policy.pool_admits("best_effort", "shared")
+
+
+def test_reserved_pool_sizing_uses_the_written_oversubscription_ratio() -> None:
+    # Floors of 10,000 GiB·s x 0.6 / 48 s = 125 GiB held; a 172.5 GiB replica holds
+    # 158.7 GiB under 0.92 -> one replica. Twice the floors -> two.
+    assert policy.reserved_pool_replicas_needed([6000, 4000], replica_kv_gib=172.5, cfg=CFG) == 1
+    assert policy.reserved_pool_replicas_needed([20_000], replica_kv_gib=172.5, cfg=CFG) == 2
+    assert policy.reserved_pool_replicas_needed([], replica_kv_gib=172.5, cfg=CFG) == 0
+    full = AdmissionConfig(reserved_oversubscription=1.0)
+    assert policy.reserved_pool_replicas_needed([20_000], replica_kv_gib=172.5, cfg=full) == 3
+    assert policy.check_reserved_floors([20_000], pool_replicas=2, replica_kv_gib=172.5,
+                                        cfg=CFG) is None
+    problem = policy.check_reserved_floors([20_000], pool_replicas=1, replica_kv_gib=172.5,
+                                           cfg=CFG)
+    assert problem is not None and "need 2" in problem
+
+
+def test_config_rejects_inconsistent_ceilings() -> None:
+    with pytest.raises(ValueError, match="best_effort <= standard <= reserved"):
+        AdmissionConfig(standard_max_occupancy=0.95)
+    with pytest.raises(ValueError, match="lease_renew_s"):
+        AdmissionConfig(lease_renew_s=8, lease_ttl_s=15)
+
+
+# -- R5 routing --------------------------------------------------------------------------
+
+
+def view(rid: str, occ: float, inflight: int = 0, pool: str = "shared") -> ReplicaView:
+    return ReplicaView(rid, pool, occ, inflight, capacity_bytes=1000)
+
+
+def test_p2c_picks_the_less_loaded_of_two_distinct_samples() -> None:
+    views = [view("a", 0.1), view("b", 0.5), view("c", 0.7)]
+    rng = random.Random(1)
+    picks = Counter(policy.choose_p2c(views, rng).replica_id for _ in range(3000))  # type: ignore[union-attr]
+    # c is the max of every pair it is in: never chosen; a wins both its pairs (2/3).
+    assert picks["c"] == 0
+    assert picks["a"] == pytest.approx(2000, rel=0.1)
+    assert picks["b"] == pytest.approx(1000, rel=0.15)
+    assert policy.choose_p2c([views[2]], rng) is views[2]
+    assert policy.choose_p2c([], rng) is None
+
+
+def test_optimistic_inflight_counts_in_the_score() -> None:
+    # Scraped emptier, but this router already sent 0.5 of a replica there since.
+    a, b = view("a", 0.10, inflight=500), view("b", 0.30)
+    assert a.load() == pytest.approx(0.60) and a.load(optimistic=False) == 0.10
+    rng = random.Random(0)
+    assert all(policy.choose_p2c([a, b], rng) is b for _ in range(50))
+    assert policy.choose_emptiest([a, b], optimistic=False) is a  # the blind spot
+
+
+def test_route_applies_class_ceilings_and_says_none_when_full() -> None:
+    views = [view("a", 0.70), view("b", 0.80)]
+    rng = random.Random(0)
+    assert policy.route(views, "best_effort", CFG, rng) is None
+    assert policy.route(views, "standard", CFG, rng) is not None
+    full = [view("a", 0.95), view("b", 0.93)]
+    assert policy.route(full, "reserved", CFG, rng) is None  # told the truth: 503
+
+
+def test_route_sends_floor_traffic_to_the_reserved_pool_first_then_shared() -> None:
+    rng = random.Random(0)
+    views = [view("r1", 0.50, pool="reserved"), view("s1", 0.10), view("s2", 0.20)]
+    assert policy.route(views, "reserved", CFG, rng).replica_id == "r1"  # type: ignore[union-attr]
+    # standard never enters the pool even when it is the emptiest
+    quiet_pool = [view("r1", 0.0, pool="reserved"), view("s1", 0.84)]
+    assert policy.route(quiet_pool, "standard", CFG, rng).replica_id == "s1"  # type: ignore[union-attr]
+    # pool above 0.92: try another -> shared
+    hot_pool = [view("r1", 0.95, pool="reserved"), view("s1", 0.90)]
+    assert policy.route(hot_pool, "reserved", CFG, rng).replica_id == "s1"  # type: ignore[union-attr]
+
+
+def test_round_robin_and_emptiest_strategies() -> None:
+    views = [view("a", 0.3), view("b", 0.1), view("c", 0.2)]
+    rr = AdmissionConfig(strategy="round_robin")
+    picks = [policy.route(views, "standard", rr, random.Random(0), turn=t).replica_id  # type: ignore[union-attr]
+             for t in range(4)]
+    assert picks == ["a", "b", "c", "a"]
+    em = AdmissionConfig(strategy="emptiest")
+    assert policy.route(views, "standard", em, random.Random(0)).replica_id == "b"  # type: ignore[union-attr]
+
+
+# -- R6 jitter and retry budget ----------------------------------------------------------
+
+
+@given(st.floats(min_value=0, max_value=120_000), st.integers(0, 2**32))
+def test_quota_retry_after_is_at_least_when_the_limit_frees(frees: float, seed: int) -> None:
+    ms = policy.quota_retry_after_ms(frees, CFG, random.Random(seed))
+    assert frees <= ms <= frees + max(CFG.quota_jitter_min_ms, frees * 0.5) + 1
+
+
+def test_jitter_bounds_and_spread() -> None:
+    rng = random.Random(7)
+    storm = [policy.storm_retry_after_ms(CFG, rng) for _ in range(500)]
+    assert all(30_000 <= s <= 60_001 for s in storm)
+    assert max(storm) - min(storm) > 20_000  # spread across the window, not clumped
+    cap = [policy.capacity_retry_after_ms(CFG, rng) for _ in range(500)]
+    assert all(5_000 <= c <= 10_001 for c in cap)
+    assert len(set(cap)) > 450  # no two clients told the same instant (ms resolution)
+    assert policy.retry_headers(1001) == {"retry-after": "2", "retry-after-ms": "1001"}
+    assert policy.retry_headers(1) == {"retry-after": "1", "retry-after-ms": "1"}
+
+
+@pytest.mark.parametrize(("admitted", "retries", "storm"), [
+    (100, 20, False),  # exactly 20 %: within budget
+    (100, 21, True),
+    (10, 9, False),    # too little traffic to call it a storm
+    (20, 5, True),
+    (0, 0, False),
+])
+def test_retry_budget(admitted: int, retries: int, storm: bool) -> None:
+    assert policy.in_retry_storm(admitted, retries, CFG) is storm
+
+
+def test_only_non_reserved_retries_are_shed() -> None:
+    assert policy.sheds_retry(True, "standard", True)
+    assert policy.sheds_retry(True, "best_effort", True)
+    assert not policy.sheds_retry(True, "reserved", True)
+    assert not policy.sheds_retry(False, "standard", True)
+    assert not policy.sheds_retry(True, "standard", False)
+
+
+def test_retry_window_slides() -> None:
+    w = policy.RetryWindow(window_s=60, slots=6)
+    for i in range(10):
+        w.record(100.0 + i, is_retry=i % 2 == 0)
+    assert w.counts(110.0) == (10, 5)
+    assert w.counts(165.0) == (0, 0)  # a minute later it is all gone
+
+
+# -- headers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("ms", "text"), [
+    (0, "0ms"), (12, "12ms"), (999, "999ms"), (1000, "1s"), (1500, "1.5s"),
+    (6.02, "7ms"), (360_000, "6m0s"), (61_250, "1m1.25s"), (3_723_000, "1h2m3s"),
+])
+def test_reset_durations_are_formatted_like_openai(ms: float, text: str) -> None:
+    assert policy.format_reset(ms) == text
+
+
+def test_rate_limit_headers() -> None:
+    h = policy.RateLimitState(60, 59, 1000, 150_000, -20, 360_000).headers()
+    assert h == {
+        "x-ratelimit-limit-requests": "60", "x-ratelimit-limit-tokens": "150000",
+        "x-ratelimit-remaining-requests": "59", "x-ratelimit-remaining-tokens": "0",
+        "x-ratelimit-reset-requests": "1s", "x-ratelimit-reset-tokens": "6m0s",
+    }
+
+
+def test_token_bucket_arithmetic() -> None:
+    assert policy.bucket_level(None, None, 5, 600) == 600  # absent = full
+    assert policy.bucket_level(0.0, 0, 30_000, 600) == 300  # half a minute refills half
+    assert policy.bucket_level(500.0, 0, 60_000, 600) == 600  # never above capacity
+    assert policy.bucket_reset_ms(300, 600) == 30_000
+    b = policy.LocalBucket(100)
+    assert b.take(40, 0) == 60
+    b.give(100, 0)
+    assert b.level == 100
+
+
+def test_vllm_priority_orders_classes() -> None:
+    p = policy.VLLM_PRIORITY
+    assert p["reserved"] < p["standard"] < p["best_effort"]
