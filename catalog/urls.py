@@ -1,0 +1,7 @@
+from django.urls import path
+
+from catalog import apis
+
+urlpatterns = [
+    path("models/", apis.ModelListApi.as_view(), name="model-list"),
+]

@@ -1,0 +1,242 @@
+"""Writes for plans, tenants, members, API keys and limits.
+
+``<entity>_<action>``, keyword-only, typed, atomic, ``full_clean()`` before ``save()``.
+Read-model pushes are not called here: the signal hooks schedule them after commit for every
+write path (see ``readmodel_hooks``).
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.utils import timezone
+
+from catalog.models import ModelFamily
+from gateway.schema import API_KEY_PREFIX, SCOPES, hash_api_key
+from tenants.limits import effective_limits
+from tenants.models import (
+    LIMIT_FIELDS,
+    ApiKey,
+    LimitFields,
+    Membership,
+    Plan,
+    PlanModelLimit,
+    Role,
+    Tenant,
+    TenantModelLimit,
+)
+
+SECRET_BYTES = 32  # secrets.token_urlsafe(32): 256 bits, 43 URL-safe characters
+VISIBLE_PREFIX_CHARS = 8
+
+
+def key_pepper() -> bytes:
+    return str(settings.FAIRWAY_KEY_PEPPER).encode("utf-8")
+
+
+# -- plans --------------------------------------------------------------------------------
+
+
+@transaction.atomic
+def plan_create(*, name: str, admission_class: str, display_name: str = "") -> Plan:
+    plan = Plan(name=name, admission_class=admission_class, display_name=display_name)
+    plan.full_clean()
+    plan.save()
+    return plan
+
+
+@transaction.atomic
+def plan_limit_set(*, plan: Plan, family: ModelFamily, **values: int) -> PlanModelLimit:
+    """Create or replace a plan's default limits for one family (all fields required)."""
+    row = PlanModelLimit.objects.filter(plan=plan, family=family).first() or PlanModelLimit(
+        plan=plan, family=family)
+    _assign_limits(row, values, required=row.pk is None)
+    row.full_clean()
+    row.save()
+    return row
+
+
+# -- limits -------------------------------------------------------------------------------
+
+
+def _assign_limits(row: LimitFields, values: dict[str, Any], *, required: bool) -> None:
+    unknown = sorted(set(values) - set(LIMIT_FIELDS))
+    if unknown:
+        raise ValidationError({name: "Unknown limit field." for name in unknown})
+    missing = [n for n in LIMIT_FIELDS if n not in values and n != "reserved_kv"]
+    if required and missing:
+        raise ValidationError({name: "This field is required." for name in missing})
+    for name, value in values.items():
+        setattr(row, name, value)
+
+
+@transaction.atomic
+def tenant_limit_set(*, tenant: Tenant, family: ModelFamily, **values: int) -> TenantModelLimit:
+    """Set a tenant's override for one family. Fields not given keep their current value:
+    the existing override's, else the plan default's."""
+    row = TenantModelLimit.objects.select_for_update().filter(tenant=tenant,
+                                                              family=family).first()
+    if row is None:
+        row = TenantModelLimit(tenant=tenant, family=family)
+        base = effective_limits(tenant).get(family.name)
+        if base is not None:
+            for name in LIMIT_FIELDS:
+                setattr(row, name, getattr(base, name))
+        _assign_limits(row, values, required=base is None)
+    else:
+        _assign_limits(row, values, required=False)
+    if not tenant.plan.is_reserved and "reserved_kv" not in values:
+        row.reserved_kv = 0  # a floor left over from a former reserved plan does not apply
+    row.full_clean()
+    row.save()
+    return row
+
+
+@transaction.atomic
+def tenant_limit_clear(*, tenant: Tenant, family: ModelFamily) -> bool:
+    """Drop a tenant's override so the plan default applies again."""
+    deleted = 0
+    for row in TenantModelLimit.objects.filter(tenant=tenant, family=family):
+        row.delete()  # per row, so the delete signal pushes the read model
+        deleted += 1
+    return deleted > 0
+
+
+# -- tenants and members ------------------------------------------------------------------
+
+
+@transaction.atomic
+def tenant_create(*, name: str, plan: Plan, owner: AbstractBaseUser | None = None,
+                  billing_email: str = "") -> Tenant:
+    tenant = Tenant(name=name, plan=plan, billing_email=billing_email)
+    tenant.full_clean()
+    tenant.save()
+    if owner is not None:
+        membership_add(tenant=tenant, user=owner, role=Role.OWNER)
+    return tenant
+
+
+@transaction.atomic
+def tenant_update(*, tenant: Tenant, name: str | None = None,
+                  billing_email: str | None = None) -> Tenant:
+    if name is not None:
+        tenant.name = name
+    if billing_email is not None:
+        tenant.billing_email = billing_email
+    tenant.full_clean()
+    tenant.save()
+    return tenant
+
+
+@transaction.atomic
+def tenant_change_plan(*, tenant: Tenant, plan: Plan) -> Tenant:
+    tenant.plan = plan
+    tenant.full_clean()
+    tenant.save()
+    return tenant
+
+
+@transaction.atomic
+def tenant_set_suspended(*, tenant: Tenant, suspended: bool) -> Tenant:
+    """Suspension removes the tenant's keys from the read model: every gateway refuses them."""
+    if suspended and tenant.suspended_at is None:
+        tenant.suspended_at = timezone.now()
+    elif not suspended:
+        tenant.suspended_at = None
+    tenant.save()
+    return tenant
+
+
+@transaction.atomic
+def membership_add(*, tenant: Tenant, user: AbstractBaseUser, role: str) -> Membership:
+    membership = Membership(tenant=tenant, user=user, role=role)
+    membership.full_clean()
+    membership.save()
+    return membership
+
+
+def _lock_owners(tenant: Tenant) -> int:
+    """Count owners under row locks (ordered by pk) so two concurrent demotions cannot
+    both pass the last-owner check."""
+    return len(list(Membership.objects.select_for_update().filter(tenant=tenant,
+                                                                  role=Role.OWNER)
+                    .order_by("pk").values_list("pk", flat=True)))
+
+
+@transaction.atomic
+def membership_change_role(*, membership: Membership, role: str) -> Membership:
+    if membership.role == Role.OWNER and role != Role.OWNER and \
+            _lock_owners(membership.tenant) <= 1:
+        raise ValidationError({"role": "A tenant must keep at least one owner."})
+    membership.role = role
+    membership.full_clean()
+    membership.save()
+    return membership
+
+
+@transaction.atomic
+def membership_remove(*, membership: Membership) -> None:
+    if membership.role == Role.OWNER and _lock_owners(membership.tenant) <= 1:
+        raise ValidationError({"role": "A tenant must keep at least one owner."})
+    membership.delete()
+
+
+# -- API keys -----------------------------------------------------------------------------
+
+
+def api_key_generate_secret() -> str:
+    return API_KEY_PREFIX + secrets.token_urlsafe(SECRET_BYTES)
+
+
+@transaction.atomic
+def api_key_create(*, tenant: Tenant, name: str, scopes: Iterable[str] = SCOPES,
+                   created_by: AbstractBaseUser | None = None,
+                   expires_at: datetime | None = None) -> tuple[ApiKey, str]:
+    """Returns the key and its secret. The secret is not stored and cannot be shown again."""
+    if expires_at is not None and expires_at <= timezone.now():
+        raise ValidationError({"expires_at": "The expiry must be in the future."})
+    secret = api_key_generate_secret()
+    scope_list = [scopes] if isinstance(scopes, str) else list(scopes)
+    api_key = ApiKey(
+        tenant=tenant, name=name, scopes=scope_list,
+        prefix=secret[: len(API_KEY_PREFIX) + VISIBLE_PREFIX_CHARS],
+        key_hash=hash_api_key(secret, key_pepper()), created_by=created_by,
+        expires_at=expires_at,
+    )
+    api_key.full_clean()
+    api_key.scopes = sorted(scope_list)
+    api_key.save()
+    return api_key, secret
+
+
+@transaction.atomic
+def api_key_revoke(*, api_key: ApiKey, revoked_by: AbstractBaseUser | None = None) -> ApiKey:
+    """Idempotent: revoking a revoked key keeps the first revocation's time."""
+    if api_key.revoked_at is None:
+        api_key.revoked_at = timezone.now()
+        api_key.revoked_by = revoked_by
+        api_key.save(update_fields=["revoked_at", "revoked_by"])
+    return api_key
+
+
+@transaction.atomic
+def api_key_last_used_record(*, seen: dict[str, datetime]) -> int:
+    """Move last-used stamps forward (never back). Off the hot path: the gateway batches
+    them into Redis and a Celery task calls this. Returns the number of keys updated."""
+    updated = 0
+    for key_id, at in sorted(seen.items()):
+        try:
+            uuid.UUID(key_id)
+        except ValueError:
+            continue  # not one of ours; the hash is written by gateways, not users
+        updated += ApiKey.objects.filter(pk=key_id).exclude(last_used_at__gte=at).update(
+            last_used_at=at)
+    return updated
