@@ -1,0 +1,102 @@
+"""Small ASGI helpers: header picking, bounded body reading, plain responses."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import ApiError, BadRequest, PayloadTooLarge
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+JSON = b"application/json"
+SSE = b"text/event-stream; charset=utf-8"
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}")
+
+
+class ClientGone(Exception):
+    """The client disconnected before the request body was complete."""
+
+
+@dataclass(slots=True)
+class RequestHeaders:
+    authorization: bytes | None = None
+    request_id: bytes | None = None
+    idempotency_key: bytes | None = None
+    content_length: bytes | None = None
+
+
+def pick_headers(scope: Scope) -> RequestHeaders:
+    picked = RequestHeaders()
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            picked.authorization = value
+        elif name == b"x-request-id":
+            picked.request_id = value
+        elif name == b"idempotency-key":
+            picked.idempotency_key = value
+        elif name == b"content-length":
+            picked.content_length = value
+    return picked
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def client_request_id(raw: bytes | None) -> str | None:
+    """The client's X-Request-Id when well-formed (≤128 of ``[A-Za-z0-9._:-]``), else None."""
+    if raw is not None and _REQUEST_ID.fullmatch(raw):
+        return raw.decode("ascii")
+    return None
+
+
+async def read_body(receive: Receive, limit: int, content_length: bytes | None) -> bytes:
+    if content_length is not None:
+        try:
+            declared = int(content_length)
+        except ValueError:
+            raise BadRequest("Invalid Content-Length header.", code="invalid_header") from None
+        if declared > limit:
+            raise PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.",
+                                  code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.",
+                                      code="request_too_large")
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def encode_headers(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+
+async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes,
+                     headers: Mapping[str, str] | None = None) -> None:
+    raw = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    if headers:
+        raw += encode_headers(headers)
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(send: Send, error: ApiError, headers: Mapping[str, str]) -> None:
+    merged = dict(headers)
+    merged.update(error.headers)
+    await send_bytes(send, error.status, error.body(), JSON, merged)

@@ -1,0 +1,128 @@
+"""``Idempotency-Key`` (§3): a retried request replays the stored response, not a new one.
+
+Per tenant and key, one Redis hash holds the body's hash, a state and, once complete, the
+response exactly as the client received it (the JSON body, or the SSE byte stream),
+zlib-compressed, for 24 h. Every transition is one Lua call, so two gateways racing on the
+same key cannot both generate:
+
+- new key                          → claim it (``inflight``), generate
+- same body, ``inflight``          → 409 (the first attempt is still running)
+- same body, ``done``              → replay, no generation, no usage event, no charge
+- same body, ``failed``            → claim again; this attempt is a retry (``is_retry``)
+- different body, any state        → 422
+
+A failed or cancelled attempt leaves a ``failed`` tombstone instead of the response, so the
+client may retry, and the retry is recognised as one (R6's retry budget reads ``is_retry``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import zlib
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from gateway.errors import BadRequest, Conflict, Unprocessable
+
+HEADER = "idempotency-key"
+MAX_KEY_LEN = 255
+KEY_PREFIX = "fw:idem:"
+
+_BEGIN = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then
+  redis.call('HSET', KEYS[1], 'state', 'inflight', 'body', ARGV[1], 'owner', ARGV[2])
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  return {'fresh', '0'}
+end
+if redis.call('HGET', KEYS[1], 'body') ~= ARGV[1] then return {'mismatch', ''} end
+if state == 'inflight' then return {'inflight', ''} end
+if state == 'failed' then
+  redis.call('HSET', KEYS[1], 'state', 'inflight', 'owner', ARGV[2])
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  return {'fresh', '1'}
+end
+return {'done', redis.call('HGET', KEYS[1], 'resp')}
+"""
+
+_FINISH = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+if ARGV[2] == 'done' then
+  redis.call('HSET', KEYS[1], 'state', 'done', 'resp', ARGV[3])
+else
+  redis.call('HSET', KEYS[1], 'state', 'failed')
+end
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+
+KIND_JSON = b"j"
+KIND_SSE = b"s"
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    redis_key: str
+    owner: str
+    is_retry: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    kind: bytes  # KIND_JSON or KIND_SSE
+    body: bytes
+
+
+def validate_key(raw: bytes) -> str:
+    try:
+        key = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise BadRequest("Idempotency-Key must be printable ASCII.", param="Idempotency-Key",
+                         code="invalid_idempotency_key") from None
+    if not 0 < len(key) <= MAX_KEY_LEN or not key.isprintable():
+        raise BadRequest(f"Idempotency-Key must be 1 to {MAX_KEY_LEN} printable characters.",
+                         param="Idempotency-Key", code="invalid_idempotency_key")
+    return key
+
+
+class IdempotencyStore:
+    def __init__(self, redis: Redis, ttl_s: int, inflight_ttl_s: int) -> None:
+        self._redis = redis
+        self._ttl_s = ttl_s
+        self._inflight_ttl_s = inflight_ttl_s
+        self._begin = redis.register_script(_BEGIN)
+        self._finish = redis.register_script(_FINISH)
+
+    @staticmethod
+    def redis_key(tenant_id: str, key: str) -> str:
+        # Hashing bounds the Redis key length and keeps the client's string out of it.
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        return f"{KEY_PREFIX}{tenant_id}:{digest}"
+
+    async def begin(self, tenant_id: str, key: str, body: bytes) -> Claim | Replay:
+        redis_key = self.redis_key(tenant_id, key)
+        owner = secrets.token_hex(8)
+        body_hash = hashlib.sha256(body).hexdigest()
+        state, value = await self._begin(keys=[redis_key],
+                                         args=[body_hash, owner, self._inflight_ttl_s])
+        if state == b"fresh":
+            return Claim(redis_key=redis_key, owner=owner, is_retry=value == b"1")
+        if state == b"mismatch":
+            raise Unprocessable(
+                "This Idempotency-Key was already used with a different request body.",
+                param="Idempotency-Key", code="idempotency_key_reused")
+        if state == b"inflight":
+            raise Conflict(
+                "A request with this Idempotency-Key is still in progress; retry later.",
+                param="Idempotency-Key", code="idempotency_key_in_use")
+        return Replay(kind=value[:1], body=zlib.decompress(value[1:]))
+
+    async def complete(self, claim: Claim, kind: bytes, body: bytes) -> None:
+        stored = kind + zlib.compress(body, 1)
+        await self._finish(keys=[claim.redis_key],
+                           args=[claim.owner, "done", stored, self._ttl_s])
+
+    async def abandon(self, claim: Claim) -> None:
+        await self._finish(keys=[claim.redis_key], args=[claim.owner, "failed", "", self._ttl_s])

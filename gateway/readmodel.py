@@ -1,0 +1,232 @@
+"""The control plane's pushed read model, as seen by one gateway process.
+
+Keys and tenants are read from Redis on first use and cached in-process, so the hot path
+makes no Redis call for a known key. Correctness comes from the change channel: every
+write by the control plane is followed by a ``Change`` on ``fw:cfg:changes``, and the
+listener drops the named entry at once (a revoked key is refused within 1 s, in practice
+within milliseconds). Two safety nets cover lost messages: the read-model version is
+polled every second, and while the channel is not subscribed entries are trusted for only
+half a second. Reconnecting drops everything, since changes may have been missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from redis.asyncio import Redis
+
+from gateway import schema
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("gateway.readmodel")
+
+T = TypeVar("T")
+
+EMPTY_CATALOG = schema.Catalog(families={}, versions={})
+# Unknown keys are remembered briefly so a burst of bad keys does not become a burst of
+# Redis reads; short, because a key created a moment ago must start working promptly.
+NEGATIVE_TTL_S = 1.0
+
+
+class _Cache(Generic[T]):
+    """Entries expire by deadline; ``epoch`` guards against storing a stale read.
+
+    A lookup that started before an invalidation must not write its (possibly revoked)
+    result back afterwards: the epoch taken before the read must still be current.
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[float, T | None]] = {}
+        self.epoch = 0
+
+    def get(self, ident: str, now: float) -> tuple[bool, T | None]:
+        entry = self.entries.get(ident)
+        if entry is None or entry[0] <= now:
+            return False, None
+        return True, entry[1]
+
+    def put(self, ident: str, value: T | None, expires: float, epoch: int) -> None:
+        if epoch == self.epoch:
+            self.entries[ident] = (expires, value)
+
+    def drop(self, ident: str) -> None:
+        self.epoch += 1
+        self.entries.pop(ident, None)
+
+    def clear(self) -> None:
+        self.epoch += 1
+        self.entries.clear()
+
+
+class ReadModel:
+    def __init__(self, redis: Redis, config: GatewayConfig, metrics: GatewayMetrics) -> None:
+        self._redis = redis
+        self._config = config
+        self._metrics = metrics
+        self._keys: _Cache[schema.KeyRecord] = _Cache()
+        self._tenants: _Cache[schema.TenantRecord] = _Cache()
+        self._catalog: schema.Catalog = EMPTY_CATALOG
+        self._version = -1
+        self._subscribed = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._catalog_listeners: list[Callable[[schema.Catalog], None]] = []
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.reload_catalog()
+        self._tasks = [asyncio.create_task(self._listen(), name="readmodel-listen"),
+                       asyncio.create_task(self._poll_version(), name="readmodel-poll")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+
+    def on_catalog(self, listener: Callable[[schema.Catalog], None]) -> None:
+        self._catalog_listeners.append(listener)
+        listener(self._catalog)
+
+    @property
+    def subscribed(self) -> bool:
+        return self._subscribed
+
+    @property
+    def catalog(self) -> schema.Catalog:
+        return self._catalog
+
+    # -- lookups -----------------------------------------------------------------------
+    async def key(self, key_hash: str) -> schema.KeyRecord | None:
+        return await self._lookup(self._keys, "key", key_hash, schema.key_redis_key(key_hash),
+                                  schema.load_key)
+
+    async def tenant(self, tenant_id: str) -> schema.TenantRecord | None:
+        return await self._lookup(self._tenants, "tenant", tenant_id,
+                                  schema.tenant_redis_key(tenant_id), schema.load_tenant)
+
+    async def _lookup(self, cache: _Cache[T], kind: str, ident: str, redis_key: str,
+                      load: Callable[[bytes | str], T]) -> T | None:
+        now = time.monotonic()
+        hit, value = cache.get(ident, now)
+        if hit:
+            self._metrics.auth_cache.labels(kind, "hit").inc()
+            return value
+        self._metrics.auth_cache.labels(kind, "miss").inc()
+        epoch = cache.epoch
+        raw = await self._redis.get(redis_key)
+        record: T | None = None
+        if raw is not None:
+            try:
+                record = load(raw)
+            except (ValueError, TypeError, KeyError) as exc:
+                # A record we cannot parse is treated as absent (refuse rather than guess).
+                log.error("unparseable %s record %s: %r", kind, ident[:16], exc)
+        if record is None:
+            ttl = NEGATIVE_TTL_S
+        elif self._subscribed:
+            ttl = self._config.cache_ttl_s
+        else:
+            ttl = self._config.cache_ttl_unsubscribed_s
+        cache.put(ident, record, time.monotonic() + ttl, epoch)
+        return record
+
+    # -- invalidation ------------------------------------------------------------------
+    def apply(self, change: schema.Change) -> bool:
+        """Drop what ``change`` names; True when the catalog must be reloaded."""
+        self._version = max(self._version, change.version)
+        self._metrics.readmodel_invalidations.labels(change.kind).inc()
+        if change.kind == "key":
+            self._keys.drop(change.ident)
+        elif change.kind == "tenant":
+            self._tenants.drop(change.ident)
+        elif change.kind == "catalog":
+            return True
+        else:
+            self.invalidate_all()
+            return True
+        return False
+
+    def invalidate_all(self) -> None:
+        self._keys.clear()
+        self._tenants.clear()
+
+    async def reload_catalog(self) -> None:
+        raw = await self._redis.get(schema.CATALOG_KEY)
+        if raw is None:
+            catalog = EMPTY_CATALOG
+        else:
+            try:
+                catalog = schema.load_catalog(raw)
+            except (ValueError, TypeError, KeyError) as exc:
+                log.error("unparseable catalog, keeping the previous one: %r", exc)
+                return
+        self._catalog = catalog
+        for listener in self._catalog_listeners:
+            listener(catalog)
+
+    async def _listen(self) -> None:
+        backoff = 0.05
+        while True:
+            pubsub = self._redis.pubsub()
+            try:
+                await pubsub.subscribe(schema.CHANGES_CHANNEL)
+                while (await pubsub.get_message(timeout=1.0)) is None:
+                    pass  # the first message is the subscribe confirmation
+                # Anything may have changed while we were not listening.
+                self._subscribed = True
+                self.invalidate_all()
+                await self.reload_catalog()
+                backoff = 0.05
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True,
+                                                       timeout=1.0)
+                    if message is not None:
+                        await self._on_message(message)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure: resubscribe
+                log.warning("change channel lost (%r); resubscribing", exc)
+            finally:
+                self._subscribed = False
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _on_message(self, message: dict[str, Any]) -> None:
+        try:
+            change = schema.load_change(message["data"])
+        except (ValueError, TypeError, KeyError) as exc:
+            log.error("unparseable change message, dropping all cached entries: %r", exc)
+            self.invalidate_all()
+            await self.reload_catalog()
+            return
+        if self.apply(change):
+            await self.reload_catalog()
+
+    async def _poll_version(self) -> None:
+        """Catch a change whose message was lost: the version moved past what we saw."""
+        while True:
+            await asyncio.sleep(self._config.version_poll_s)
+            try:
+                raw = await self._redis.get(schema.VERSION_KEY)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("version poll failed: %r", exc)
+                continue
+            version = int(raw) if raw is not None else 0
+            if version != self._version:
+                if self._version >= 0:
+                    log.info("read model moved %s -> %s unannounced; dropping caches",
+                             self._version, version)
+                    self.invalidate_all()
+                    with contextlib.suppress(Exception):
+                        await self.reload_catalog()
+                self._version = version
