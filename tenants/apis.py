@@ -201,7 +201,9 @@ class KeyCreatedOutput(KeyOutput):
 class KeyListApi(APIView):
     class Input(serializers.Serializer):
         name = serializers.CharField(max_length=100)
-        scopes = serializers.ListField(child=serializers.ChoiceField(choices=SCOPES),
+        scopes = serializers.ListField(child=serializers.ChoiceField(
+            choices=SCOPES, error_messages={"invalid_choice": f'Unknown scope "{{input}}"; '
+                                                              f'known: {", ".join(SCOPES)}.'}),
                                        allow_empty=False, default=list(SCOPES))
         expires_at = serializers.DateTimeField(allow_null=True, default=None)
 

@@ -119,6 +119,8 @@ CELERY_ENABLE_UTC = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_TIME_LIMIT = 300
 CELERY_TASK_SOFT_TIME_LIMIT = 240
+CELERY_BEAT_SCHEDULE_FILENAME = env_str("CELERY_BEAT_SCHEDULE_FILENAME",
+                                        str(VAR_DIR / "celerybeat-schedule"))
 CELERY_BEAT_SCHEDULE = {
     "readmodel-rebuild": {
         "task": "tenants.tasks.readmodel_rebuild",
@@ -135,9 +137,11 @@ CELERY_BEAT_SCHEDULE = {
 
 # -- DRF ----------------------------------------------------------------------------------
 REST_FRAMEWORK = {
+    # Token first: an unauthenticated call then gets 401 with a WWW-Authenticate header
+    # (DRF takes the header from the first class) rather than a bare 403.
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.SessionAuthentication",
         "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],

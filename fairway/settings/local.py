@@ -5,8 +5,10 @@ SQLite under var/ unless DATABASE_URL is set; DEBUG on; dev secrets allowed.
 
 from __future__ import annotations
 
-from fairway.env import env_bool, env_list
+from fairway.env import VAR_DIR, env_bool, env_list
 from fairway.settings.base import *  # noqa: F403
+
+VAR_DIR.mkdir(exist_ok=True)  # SQLite file, beat schedule, demo keys
 
 DEBUG = env_bool("DEBUG", True)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])

@@ -118,3 +118,12 @@ def test_unknown_api_paths_answer_json_404(owner_a: Any, client_for: Any) -> Non
         response = client_for(owner_a).get(url)
         assert response.status_code == 404
         assert error_of(response)["code"] == "not_found"
+
+
+def test_unknown_scope_message_names_it_and_the_known_ones(tenant_a: Tenant, owner_a: Any,
+                                                           client_for: Any) -> None:
+    response = client_for(owner_a).post(f"/api/v1/tenants/{tenant_a.id}/keys/",
+                                        {"name": "k", "scopes": ["admin"]}, format="json")
+    error = error_of(response)
+    assert error["code"] == "invalid_choice"
+    assert 'Unknown scope "admin"; known: chat, models:read.' in error["message"]

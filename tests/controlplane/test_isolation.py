@@ -59,8 +59,9 @@ def test_anonymous_callers_are_refused(tenant_a: Tenant) -> None:
     from rest_framework.test import APIClient
 
     response = APIClient().get(f"/api/v1/tenants/{tenant_a.id}/keys/")
-    assert response.status_code in (401, 403)
-    assert error_of(response)["code"] == "not_authenticated"
+    assert response.status_code == 401 and response["WWW-Authenticate"] == "Token"
+    error = error_of(response)
+    assert (error["type"], error["code"]) == ("authentication_error", "not_authenticated")
 
 
 def test_staff_operators_see_every_tenant(tenant_a: Tenant, tenant_b: Tenant, staff: Any,
