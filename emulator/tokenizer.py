@@ -1,0 +1,240 @@
+"""The emulator's tokenizer: deterministic, cheap, and simple enough to estimate against.
+
+Rules (the gateway's fast estimator is designed to be conservative against exactly these):
+
+* **Content.** Split the text on whitespace (``str.split()``). Each word becomes
+  ``ceil(len(word.encode("utf-8")) / 4)`` pieces: consecutive 4-byte slices of its UTF-8 form.
+  A piece's token id is ``PIECE_BASE + crc32(piece) % PIECE_SPAN``, stable across processes
+  (CRC-32 is unsalted, unlike ``hash()`` of ``str``).
+* **Chat template.** Every message costs 4 template tokens (``<|start_header_id|>``, a role
+  token, ``<|end_header_id|>``, ``<|eot_id|>``) plus its content's tokens; the generation prompt
+  that primes the assistant's reply adds 3 (``<|start_header_id|>``, ``assistant``,
+  ``<|end_header_id|>``). So ``count = sum(4 + content_tokens(m)) + 3``.
+* **Content parts.** A list content is the concatenation of its ``{"type":"text"}`` parts, each
+  tokenized separately. A null content has no tokens.
+* **Raw prompts** (``/tokenize`` with ``prompt``) get the content rule plus one BOS token when
+  ``add_special_tokens`` is true (vLLM's default).
+
+Output tokens come from ``OUTPUT_VOCAB``: 4,096 pronounceable pseudo-words, each one token
+(``" kelo"``), ids ``0..4095``. Prompt piece ids live in ``[PIECE_BASE, PIECE_BASE+PIECE_SPAN)``
+and specials at 128,000+, as in Llama 3's 128,256-token vocabulary.
+
+Speed: a 128k-token prompt (~400 KB) tokenizes in tens of milliseconds because words are cached
+(``str.split`` and dict lookups run in C); the cache is bounded and simply cleared when full.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Iterable, Sequence
+from functools import cache
+from typing import Any
+
+VOCAB_SIZE = 128_256
+OUTPUT_VOCAB_SIZE = 4096
+PIECE_BASE = OUTPUT_VOCAB_SIZE
+PIECE_SPAN = 128_000 - PIECE_BASE
+BYTES_PER_PIECE = 4
+
+BOS_ID = 128_000
+START_HEADER_ID = 128_006
+END_HEADER_ID = 128_007
+EOT_ID = 128_009
+TOKENS_PER_MESSAGE = 4
+GENERATION_PROMPT_TOKENS = 3
+_SPECIAL_STRS = {
+    BOS_ID: "<|begin_of_text|>",
+    START_HEADER_ID: "<|start_header_id|>",
+    END_HEADER_ID: "<|end_header_id|>",
+    EOT_ID: "<|eot_id|>",
+}
+_ROLE_IDS = {"system": 9125, "user": 882, "assistant": 78191, "tool": 23799, "developer": 16920}
+
+_WORD_CACHE_LIMIT = 500_000
+
+
+class MessageFormatError(ValueError):
+    """A message the template cannot render (wrong types); ``param`` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _piece_id(piece: bytes) -> int:
+    return PIECE_BASE + zlib.crc32(piece) % PIECE_SPAN
+
+
+def role_token_id(role: str) -> int:
+    known = _ROLE_IDS.get(role)
+    return known if known is not None else _piece_id(role.encode("utf-8"))
+
+
+@cache
+def output_vocab() -> tuple[str, ...]:
+    """4,096 distinct pseudo-words with a leading space: the text of output token ids."""
+    rng = random.Random(20260501)  # fixed: text must not depend on anything configurable
+    onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v"]
+    onsets += ["w", "br", "ch", "cl", "dr", "fl", "gr", "pl", "pr", "sh", "st", "th", "tr"]
+    vowels = ["a", "e", "i", "o", "u", "ai", "ea", "ou"]
+    codas = ["", "", "", "n", "r", "s", "t", "l", "m", "nd", "st"]
+    words: set[str] = set()
+    out: list[str] = []
+    while len(out) < OUTPUT_VOCAB_SIZE:
+        syllables = rng.choice((1, 1, 2, 2, 2, 3))
+        word = "".join(
+            rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(syllables)
+        )
+        if word not in words:
+            words.add(word)
+            out.append(" " + word)
+    return tuple(out)
+
+
+class Tokenizer:
+    """Stateless rules plus a bounded word cache; one instance per server or engine user."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    # -- content -----------------------------------------------------------------------
+
+    def _word(self, word: str) -> tuple[int, ...]:
+        raw = word.encode("utf-8")
+        ids = tuple(
+            _piece_id(raw[i : i + BYTES_PER_PIECE]) for i in range(0, len(raw), BYTES_PER_PIECE)
+        )
+        if len(self._cache) >= _WORD_CACHE_LIMIT:
+            self._cache.clear()
+        self._cache[word] = ids
+        return ids
+
+    def encode_text(self, text: str, out: list[int] | None = None) -> list[int]:
+        """Token ids of plain text (no template, no BOS), appended to ``out`` if given."""
+        ids = [] if out is None else out
+        get = self._cache.get
+        extend = ids.extend
+        for word in text.split():
+            piece_ids = get(word)
+            extend(piece_ids if piece_ids is not None else self._word(word))
+        return ids
+
+    def count_text(self, text: str) -> int:
+        total = 0
+        for word in text.split():
+            total += (len(word.encode("utf-8")) + BYTES_PER_PIECE - 1) // BYTES_PER_PIECE
+        return total
+
+    # -- chat template -------------------------------------------------------------------
+
+    def apply_chat_template(
+        self, messages: Sequence[Any], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Prompt token ids of a chat request; raises MessageFormatError on malformed input."""
+        ids: list[int] = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise MessageFormatError(
+                    f"messages[{index}] must be an object", f"messages.{index}"
+                )
+            role = message.get("role")
+            if not isinstance(role, str) or not role:
+                raise MessageFormatError(
+                    f"messages[{index}].role must be a non-empty string", f"messages.{index}.role"
+                )
+            ids.append(START_HEADER_ID)
+            ids.append(role_token_id(role))
+            ids.append(END_HEADER_ID)
+            for text in _content_texts(message.get("content"), index):
+                self.encode_text(text, ids)
+            ids.append(EOT_ID)
+        if add_generation_prompt:
+            ids.append(START_HEADER_ID)
+            ids.append(_ROLE_IDS["assistant"])
+            ids.append(END_HEADER_ID)
+        return ids
+
+    def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [BOS_ID] if add_special_tokens else []
+        return self.encode_text(prompt, ids)
+
+    # -- decoding ------------------------------------------------------------------------
+
+    def piece_strs(self, text: str) -> list[str]:
+        """The pieces of plain text as strings (for /tokenize ``token_strs``)."""
+        out: list[str] = []
+        for word in text.split():
+            raw = word.encode("utf-8")
+            out.extend(
+                raw[i : i + BYTES_PER_PIECE].decode("utf-8", errors="replace")
+                for i in range(0, len(raw), BYTES_PER_PIECE)
+            )
+        return out
+
+    def chat_token_strs(
+        self, messages: Sequence[Any], add_generation_prompt: bool = True
+    ) -> list[str]:
+        """Token strings parallel to ``apply_chat_template`` (slow path, /tokenize only)."""
+        out: list[str] = []
+        for index, message in enumerate(messages):
+            out.append(_SPECIAL_STRS[START_HEADER_ID])
+            out.append(str(message["role"]))
+            out.append(_SPECIAL_STRS[END_HEADER_ID])
+            for text in _content_texts(message.get("content"), index):
+                out.extend(self.piece_strs(text))
+            out.append(_SPECIAL_STRS[EOT_ID])
+        if add_generation_prompt:
+            out.extend((_SPECIAL_STRS[START_HEADER_ID], "assistant", _SPECIAL_STRS[END_HEADER_ID]))
+        return out
+
+    def prompt_token_strs(self, prompt: str, add_special_tokens: bool = True) -> list[str]:
+        head = [_SPECIAL_STRS[BOS_ID]] if add_special_tokens else []
+        return head + self.piece_strs(prompt)
+
+    @staticmethod
+    def decode_output(token_ids: Iterable[int]) -> str:
+        vocab = output_vocab()
+        return "".join(vocab[t] for t in token_ids)
+
+
+def _content_texts(content: Any, index: int) -> list[str]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        texts: list[str] = []
+        for part_index, part in enumerate(content):
+            param = f"messages.{index}.content.{part_index}"
+            if not isinstance(part, dict):
+                raise MessageFormatError("content parts must be objects", param)
+            kind = part.get("type")
+            if kind != "text":
+                raise MessageFormatError(
+                    f"content part type {kind!r} is not supported by this text-only model", param
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise MessageFormatError("a text content part needs a string 'text'", param)
+            texts.append(text)
+        return texts
+    raise MessageFormatError(
+        f"messages[{index}].content must be a string, a list of parts or null",
+        f"messages.{index}.content",
+    )
+
+
+OUTPUT_TABLE_MASK = 0xFFFF
+
+
+@cache
+def output_token_table() -> tuple[int, ...]:
+    """65,536 output token ids; request ``r`` emits ``table[(offset_r + i) & mask]``.
+
+    A fixed table makes a seeded request's text identical on every replica, and makes
+    emitting a token one tuple index instead of a PRNG call.
+    """
+    rng = random.Random(20260502)
+    bits = OUTPUT_VOCAB_SIZE.bit_length() - 1  # the vocabulary size is a power of two
+    return tuple(rng.getrandbits(bits) for _ in range(OUTPUT_TABLE_MASK + 1))
