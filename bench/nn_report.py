@@ -1,0 +1,208 @@
+"""Markdown tables, target checks and the plot of the noisy-neighbour scenario."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from bench.noisy_neighbour import ARM_TITLES, ArmResult, NNConfig, summarise
+from bench.plots import arms_timeseries
+from bench.stats import TPOT_SLO_S, TTFT_SLO_S, GroupStats, fmt_ms, fmt_pct, within
+from bench.workload import TenantSpec
+from emulator.profiles import Profile
+
+TOLERANCE = 0.10  # "within 10 % of its quiet-baseline p95"
+
+
+def _row(cells: Sequence[object]) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows)]
+
+
+STATS_HEADER = [
+    "group", "sent", "TTFT p50/p95/p99 ms", "TPOT p50/p95/p99 ms", "SLO attainment",
+    "goodput req/s", "goodput out tok/s", "429", "503", "failed",
+]  # fmt: skip
+
+
+def _stats_row(g: GroupStats) -> list[object]:
+    t, p = g.ttft, g.tpot
+    return [
+        g.name,
+        g.sent,
+        f"{fmt_ms(t.p50)} / {fmt_ms(t.p95)} / {fmt_ms(t.p99)}",
+        f"{fmt_ms(p.p50)} / {fmt_ms(p.p95)} / {fmt_ms(p.p99)}",
+        fmt_pct(g.attainment),
+        f"{g.goodput_rps:.2f}",
+        f"{g.goodput_tps:,.0f}",
+        g.refused_429,
+        g.refused_503,
+        g.failed,
+    ]
+
+
+def _peak_occupancy(res: ArmResult) -> float:
+    peaks = [max(tr.occupancy) for tr in res.traces.values() if tr.occupancy]
+    return max(peaks) if peaks else math.nan
+
+
+def _mean_occupancy(res: ArmResult, pool_ids: Sequence[str]) -> float:
+    vals = [np.mean(res.traces[r].occupancy) for r in pool_ids if res.traces[r].occupancy]
+    return float(np.mean(vals)) if vals else math.nan
+
+
+def _mark(ok: bool) -> str:
+    return "✅" if ok else "❌"
+
+
+def _ratio(value: float, ref: float) -> str:
+    if math.isnan(value) or math.isnan(ref) or ref == 0:
+        return "—"
+    return f"{value / ref:.2f}×"
+
+
+def targets(
+    results: dict[str, ArmResult], specs: Sequence[TenantSpec]
+) -> tuple[list[str], dict[str, bool]]:
+    """The issue's targets for arm (c), each checked and stated with its numbers."""
+    lines: list[str] = []
+    verdicts: dict[str, bool] = {}
+    if "c" not in results or "quiet" not in results:
+        return ["(targets need the quiet and c arms)"], verdicts
+    tc, _ = summarise(results["c"], specs)
+    tq, _ = summarise(results["quiet"], specs)
+    non_noisy = [t for t in specs if not t.noisy]
+    all_ok = True
+    for t in non_noisy:
+        c, q = tc.get(t.tenant_id), tq.get(t.tenant_id)
+        if c is None or q is None:
+            continue
+        slo = c.ttft.p95 < TTFT_SLO_S and c.tpot.p95 < TPOT_SLO_S
+        ttft_ok = within(c.ttft.p95, q.ttft.p95, TOLERANCE)
+        tpot_ok = within(c.tpot.p95, q.tpot.p95, TOLERANCE)
+        ok = slo and ttft_ok and tpot_ok
+        all_ok &= ok
+        lines.append(
+            f"- {_mark(ok)} `{t.tenant_id}` ({t.plan}): TTFT p95 {fmt_ms(c.ttft.p95)} ms "
+            f"(quiet {fmt_ms(q.ttft.p95)}, {_ratio(c.ttft.p95, q.ttft.p95)}), TPOT p95 "
+            f"{fmt_ms(c.tpot.p95)} ms (quiet {fmt_ms(q.tpot.p95)}, "
+            f"{_ratio(c.tpot.p95, q.tpot.p95)}); both SLOs {'held' if slo else 'NOT held'}"
+        )
+    verdicts["every non-noisy tenant holds both SLOs within 10 % of quiet p95"] = all_ok
+    ent = tc.get("ent")
+    if ent is not None:
+        ok = ent.attainment >= 0.999
+        verdicts["enterprise attainment >= 99.9 %"] = ok
+        lines.append(f"- {_mark(ok)} enterprise attainment {fmt_pct(ent.attainment, 2)} "
+                     f"({ent.sent} requests) — target ≥ 99.9 %")  # fmt: skip
+    free = tc.get("free")
+    if free is not None:
+        ok = free.goodput_rps > 0
+        verdicts["free goodput > 0"] = ok
+        lines.append(f"- {_mark(ok)} free-tier goodput {free.goodput_rps:.2f} req/s "
+                     f"({free.goodput_tps:,.0f} out tok/s)")  # fmt: skip
+    # (a) and (b) should show the degradation the design predicts.
+    for arm in ("a", "b"):
+        if arm not in results:
+            continue
+        ta, _ = summarise(results[arm], specs)
+        worse = []
+        for t in non_noisy:
+            x, q = ta.get(t.tenant_id), tq.get(t.tenant_id)
+            if x is None or q is None:
+                continue
+            worse.append(not within(x.tpot.p95, q.tpot.p95, TOLERANCE) or
+                         not within(x.ttft.p95, q.ttft.p95, TOLERANCE) or
+                         x.attainment < q.attainment - 0.05)  # fmt: skip
+        ok = bool(worse) and all(worse)
+        verdicts[f"arm ({arm}) degrades every non-noisy tenant"] = ok
+        lines.append(f"- {_mark(ok)} arm ({arm}): {sum(worse)}/{len(worse)} non-noisy tenants "
+                     "degraded beyond 10 % of quiet p95 (or lost > 5 points of attainment)")  # fmt: skip
+    return lines, verdicts
+
+
+def headline(results: dict[str, ArmResult], specs: Sequence[TenantSpec]) -> list[str]:
+    header = [
+        "arm", "standard TTFT p95 ms", "standard TPOT p95 ms", "standard attainment",
+        "enterprise attainment", "free goodput req/s", "noisy 429 / 503", "preemptions",
+        "peak KV occupancy",
+    ]  # fmt: skip
+    rows = []
+    for arm, res in results.items():
+        _, by_class = summarise(res, specs)
+        std, ent, free, noisy = (
+            by_class.get(n) for n in ("standard", "reserved", "best_effort", "noisy")
+        )
+        rows.append([
+            ARM_TITLES[arm],
+            fmt_ms(std.ttft.p95) if std else "—",
+            fmt_ms(std.tpot.p95) if std else "—",
+            fmt_pct(std.attainment) if std else "—",
+            fmt_pct(ent.attainment, 2) if ent else "—",
+            f"{free.goodput_rps:.2f}" if free else "—",
+            f"{noisy.refused_429} / {noisy.refused_503}" if noisy else "—",
+            f"{res.preemptions:.0f}",
+            fmt_pct(_peak_occupancy(res)),
+        ])  # fmt: skip
+    return _table(header, rows)
+
+
+def write_report(
+    results: dict[str, ArmResult], cfg: NNConfig, specs: Sequence[TenantSpec], profile: Profile,
+    out: Path, command: str,
+) -> Path:  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    md: list[str] = ["# Scenario 1 — noisy neighbour\n", f"Command: `{command}`\n"]
+    md.append(
+        f"{cfg.shared_replicas} shared + {cfg.reserved_replicas} reserved-pool emulated 70B "
+        f"replicas (`{profile.name}`: the design's profile coarse-grained ×{cfg.k}, chunked "
+        f"prefill {cfg.chunk_tokens} tokens/step), speed ×{cfg.speed:g}, "
+        f"{cfg.gateway_workers} gateway worker(s), real Redis. {cfg.duration_s:g} model-s "
+        f"of Poisson arrivals per arm (seed {cfg.seed}), first {cfg.warmup_s:g} s not counted, "
+        f"{cfg.drain_s:g} s to drain. Latencies in model time per real token. Tenants: "
+        + ", ".join(f"`{t.tenant_id}` {t.plan} {t.rate_rps:g} req/s" for t in specs)
+        + ". The noisy tenant sends 128,000-token prompts.\n"
+    )
+    md.append("## Headline\n")
+    md += headline(results, specs)
+    md.append("\n## Targets (arm c against the quiet baseline)\n")
+    lines, _ = targets(results, specs)
+    md += lines
+    shared_ids = [f"r{i}" for i in range(cfg.shared_replicas)]
+    for arm, res in results.items():
+        by_tenant, by_class = summarise(res, specs)
+        md.append(f"\n## {ARM_TITLES[arm]}\n")
+        md.append(
+            f"Preemptions {res.preemptions:.0f} · peak KV occupancy {fmt_pct(_peak_occupancy(res))}"
+            f" · mean shared-pool occupancy {fmt_pct(_mean_occupancy(res, shared_ids))}"
+            f" · {res.wall_s:.0f} s wall\n"
+        )
+        md += _table(STATS_HEADER, [_stats_row(g) for g in by_class.values()])
+        errors: dict[str, int] = {}
+        for o in res.outcomes:
+            if o.error:
+                key = f"{o.status} {o.error[:90]}"
+                errors[key] = errors.get(key, 0) + 1
+        if errors:
+            top = sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+            md.append("\nMost frequent failures: " + "; ".join(f"{n}× `{e}`" for e, n in top))
+        md.append("")
+        md += _table(STATS_HEADER, [_stats_row(g) for g in by_tenant.values()])
+    group_of = {t.tenant_id: ("noisy" if t.noisy else t.admission_class) for t in specs}
+    arms_timeseries(
+        {ARM_TITLES[a].split(":")[0]: (r.outcomes, {
+            rid: (np.asarray(tr.t), np.asarray(tr.occupancy)) for rid, tr in r.traces.items()
+        }) for a, r in results.items()},
+        group_of, out / "noisy_neighbour.png", f"{command} — model time",
+    )  # fmt: skip
+    md.append("\n![TTFT and KV occupancy over time per arm](noisy_neighbour.png)\n")
+    path = out / "noisy_neighbour.md"
+    path.write_text("\n".join(md) + "\n")
+    (out / "noisy_neighbour_headline.md").write_text("\n".join(headline(results, specs)) + "\n")
+    return path

@@ -1,0 +1,423 @@
+"""Scenario 1 — noisy neighbour: one tenant floods 128k-token prompts; does anyone else notice?
+
+Real processes over loopback: emulated 70B replicas (``python -m emulator``), real gateway
+processes (``python -m gateway``) reading a read model seeded straight into Redis, and an
+open-loop SSE load generator. Four arms replay the same seeded requests:
+
+- ``quiet``: no noisy tenant, Fairway on — the reference;
+- ``a``: no protection — clients straight to the replicas, round robin;
+- ``b``: a gateway with requests/min limits only (tokens/min and KV·seconds limits set out
+  of reach, no class ceilings, no reserved pool) — what most gateways offer;
+- ``c``: Fairway with everything on.
+
+Scaling (argued in bench/README.md): the replica is the design's 70B profile with its token
+*coarse-grained* by ``k`` — one emulated token stands for ``k`` real tokens: the KV bytes of a
+token ×k, the realised bandwidth and prefill rate ÷k, the context ÷k. Bytes of KV, the
+seconds a step takes, the KV a request holds and how long it holds it are all unchanged, so
+occupancy dynamics, the prefill:decode ratio, "a 128k prompt is 23 % of a replica" and
+per-token TPOT hold, while the SSE chunk rate the 2-core machine must carry drops k-fold.
+Reported latencies are converted back to real tokens and model time.
+
+``python -m bench.noisy_neighbour`` writes bench/results/noisy_neighbour.md and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from bench import cluster
+from bench.loadgen import LoadGenerator, RawResult, Router, Target, round_robin, to_outcome
+from bench.stats import GroupStats, Outcome, group_by
+from bench.workload import (
+    DESIGN_OUTPUT,
+    DESIGN_PROMPT,
+    NOISY_PROMPT_TOKENS,
+    Fixed,
+    LogNormal,
+    PromptFactory,
+    RequestSpec,
+    TenantSpec,
+    Workload,
+    build_workload,
+)
+from emulator.profiles import LLAMA_70B_TP4_H100, Profile
+from gateway import schema
+
+RESULTS = Path(__file__).parent / "results"
+FAMILY = "llama-70b"
+ARMS = ("quiet", "a", "b", "c")
+ARM_TITLES = {
+    "quiet": "quiet baseline (no noisy tenant, Fairway on)",
+    "a": "(a) no protection: straight to replicas, round robin",
+    "b": "(b) requests/min limits only",
+    "c": "(c) Fairway, everything on",
+}
+
+
+# -- scaling ------------------------------------------------------------------------------
+
+
+def coarse_profile(base: Profile, k: int, chunk_tokens: int) -> Profile:
+    """``base`` with one emulated token standing for ``k`` real tokens (see module doc)."""
+    if k < 1 or chunk_tokens % k:
+        raise ValueError("k >= 1 and chunk_tokens a multiple of k")
+    return dataclasses.replace(
+        base,
+        name=f"{base.name}-x{k}",
+        kv_bytes_per_token=base.kv_bytes_per_token * k,
+        bandwidth_efficiency=base.bandwidth_efficiency / k,
+        prefill_tokens_per_s=base.prefill_tokens_per_s / k,
+        max_model_len=base.max_model_len // k,
+        # Paging granularity stays 16 real tokens per block where k divides 16.
+        block_size=max(1, base.block_size // k),
+        max_num_batched_tokens=chunk_tokens // k,
+        tpot_target_ms=base.tpot_target_ms * k,
+    )
+
+
+def to_coarse(n_real: int, k: int) -> int:
+    return max(1, math.ceil(n_real / k))
+
+
+# -- configuration ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PlanLimits:
+    """Real-token limits of a plan (scaled to emulated tokens when written to Redis)."""
+
+    rpm: int
+    tpm: int
+    max_context: int
+    max_output: int
+    kv_seconds_cap: int  # GiB·s: invariant under the token scaling
+    reserved_kv: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NNConfig:
+    k: int = 8
+    speed: float = 2.0
+    chunk_tokens: int = 1024  # chunked-prefill budget per step, real tokens (§7: "say 512")
+    shared_replicas: int = 4
+    reserved_replicas: int = 1
+    duration_s: float = 180.0  # model seconds of arrivals per arm
+    warmup_s: float = 40.0  # requests sent before this are not counted
+    drain_s: float = 60.0  # model seconds after the last arrival before cutting off
+    gateway_workers: int = 1
+    seed: int = 7
+    standard_tenants: int = 4
+    standard_rps: float = 3.5  # each
+    enterprise_rps: float = 2.0
+    free_rps: float = 1.0
+    noisy_rps: float = 0.4
+    plans: dict[str, PlanLimits] = field(
+        default_factory=lambda: {
+            "free": PlanLimits(rpm=120, tpm=400_000, max_context=8_192, max_output=1_024,
+                               kv_seconds_cap=200),
+            "standard": PlanLimits(rpm=600, tpm=2_000_000, max_context=131_072,
+                                   max_output=4_096, kv_seconds_cap=2_500),
+            "enterprise": PlanLimits(rpm=1_200, tpm=4_000_000, max_context=131_072,
+                                     max_output=4_096, kv_seconds_cap=6_000,
+                                     reserved_kv=3_000),
+        }
+    )  # fmt: skip
+
+    @property
+    def replicas(self) -> int:
+        return self.shared_replicas + self.reserved_replicas
+
+    @classmethod
+    def smoke(cls) -> NNConfig:
+        """Tiny and fast, for tests: same shape, seconds not minutes."""
+        return cls(
+            speed=4.0,
+            shared_replicas=1,
+            reserved_replicas=1,
+            duration_s=16.0,
+            warmup_s=2.0,
+            drain_s=10.0,
+            standard_tenants=1,
+            standard_rps=1.0,
+            enterprise_rps=0.5,
+            free_rps=0.5,
+            noisy_rps=0.2,
+        )
+
+
+def tenants(cfg: NNConfig) -> list[TenantSpec]:
+    free_prompt = LogNormal(DESIGN_PROMPT.mu, DESIGN_PROMPT.sigma, lo=16, hi=7_900)
+    free_out = LogNormal(DESIGN_OUTPUT.mu, DESIGN_OUTPUT.sigma, lo=1, hi=1_024)
+    out = [
+        TenantSpec(f"std-{i + 1}", f"Standard {i + 1}", "standard", "standard", cfg.standard_rps)
+        for i in range(cfg.standard_tenants)
+    ]
+    out.append(TenantSpec("ent", "Enterprise", "enterprise", "reserved", cfg.enterprise_rps))
+    out.append(TenantSpec("free", "Free", "free", "best_effort", cfg.free_rps,
+                          prompt=free_prompt, output=free_out))  # fmt: skip
+    # The 128k prompt plus its output must fit the 131,072-token context.
+    out.append(TenantSpec("noisy", "Noisy (standard)", "standard", "standard", cfg.noisy_rps,
+                          prompt=Fixed(NOISY_PROMPT_TOKENS),
+                          output=LogNormal(DESIGN_OUTPUT.mu, DESIGN_OUTPUT.sigma, 1, 3_000),
+                          noisy=True))  # fmt: skip
+    return out
+
+
+def _limit_record(p: PlanLimits, k: int, *, unlimited_beyond_rpm: bool) -> schema.LimitRecord:
+    huge = 10**12
+    return schema.LimitRecord(
+        rpm=p.rpm,
+        tpm=huge if unlimited_beyond_rpm else max(1, p.tpm // k),
+        max_context=to_coarse(p.max_context, k),
+        max_output=to_coarse(p.max_output, k),
+        kv_seconds_cap=huge if unlimited_beyond_rpm else p.kv_seconds_cap,
+        reserved_kv=0 if unlimited_beyond_rpm else p.reserved_kv,
+    )
+
+
+def tenant_seeds(cfg: NNConfig, specs: Sequence[TenantSpec], arm: str) -> list[cluster.TenantSeed]:
+    rpm_only = arm == "b"
+    seeds = []
+    for t in specs:
+        cls = t.admission_class
+        if rpm_only:
+            cls = "standard"  # no classes in a requests/min-only gateway
+        rec = schema.TenantRecord(
+            tenant_id=t.tenant_id, name=t.name, plan=t.plan, admission_class=cls,  # type: ignore[arg-type]
+            suspended=False,
+            limits={FAMILY: _limit_record(cfg.plans[t.plan], cfg.k, unlimited_beyond_rpm=rpm_only)},
+        )  # fmt: skip
+        seeds.append(cluster.TenantSeed(rec, cluster.api_key_for(t.tenant_id)))
+    return seeds
+
+
+def catalog(cfg: NNConfig, profile: Profile, replicas: Sequence[cluster.Replica], version: str,
+            arm: str) -> schema.Catalog:  # fmt: skip
+    recs = tuple(
+        schema.ReplicaRecord(r.replica_id, r.base_url, "shared" if arm == "b" else r.pool)
+        for r in replicas
+    )
+    mv = schema.ModelVersionRecord(
+        version=version, family=FAMILY, context_length=profile.max_model_len,
+        kv_bytes_per_token=profile.kv_bytes_per_token, tpot_target_ms=profile.tpot_target_ms,
+        kv_capacity_tokens=profile.kv_capacity_tokens, replicas=recs,
+    )  # fmt: skip
+    return schema.Catalog(families={FAMILY: version}, versions={version: mv})
+
+
+# Gateway knobs per arm (environment of ``python -m gateway``; names from gateway/README.md).
+def gateway_env(arm: str) -> dict[str, str]:
+    if arm == "b":
+        return {
+            "GATEWAY_STANDARD_MAX_OCCUPANCY": "1.0",
+            "GATEWAY_BEST_EFFORT_MAX_OCCUPANCY": "1.0",
+            "GATEWAY_RESERVED_MAX_OCCUPANCY": "1.0",
+            "GATEWAY_ROUTING_STRATEGY": "round_robin",
+            "GATEWAY_OPTIMISTIC_INFLIGHT": "0",
+        }
+    return {}
+
+
+# -- running an arm -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ArmResult:
+    arm: str
+    outcomes: list[Outcome]
+    traces: dict[str, cluster.ReplicaTrace]
+    preemptions: float
+    wall_s: float
+    measured_s: float
+
+
+def _coarse_spec(spec: RequestSpec, k: int) -> RequestSpec:
+    return dataclasses.replace(
+        spec,
+        prompt_tokens=to_coarse(spec.prompt_tokens, k),
+        max_tokens=to_coarse(spec.max_tokens, k),
+    )
+
+
+def _real_outcome(raw: RawResult, cls: str, cfg: NNConfig, real: RequestSpec) -> Outcome:
+    """Emulated tokens and model time -> real tokens and model time.
+
+    TPOT per real token is the emulated inter-token time / k. The first emulated token
+    stands for k real ones: the real first token would have come (k-1) real token-times
+    earlier, so TTFT is corrected by (k-1) x this request's real TPOT.
+    """
+    o = to_outcome(raw, cls, cfg.speed)
+    if o.error and raw.t_first is not None and "cut off" in o.error:
+        o.error = None  # still streaming at the cut-off: judged on what it delivered so far
+    if o.tpot_s is not None:
+        o.tpot_s /= cfg.k
+        if o.ttft_s is not None:
+            o.ttft_s = max(0.0, o.ttft_s - (cfg.k - 1) * o.tpot_s)
+    o.completion_tokens = min(real.max_tokens, o.completion_tokens * cfg.k)
+    o.prompt_tokens = real.prompt_tokens
+    return o
+
+
+async def _drive(
+    cfg: NNConfig, wl: Workload, route: Router, model: str, replicas: Sequence[cluster.Replica],
+    label: str,
+) -> tuple[list[RawResult], dict[str, cluster.ReplicaTrace]]:  # fmt: skip
+    from tqdm import tqdm
+
+    prompts = PromptFactory(seed=cfg.seed)
+    gen = LoadGenerator(model, route, prompts, speed=cfg.speed, max_inflight=4000,
+                        read_timeout_s=300.0)  # fmt: skip
+    specs = [_coarse_spec(r, cfg.k) for r in wl.requests]
+    scraper = cluster.MetricsScraper(replicas, cfg.speed)
+    bar = tqdm(total=len(specs), desc=f"noisy_neighbour {label}", unit="req", file=sys.stderr,
+               leave=False, mininterval=2.0)  # fmt: skip
+    scraper.start()
+    try:
+        raws = await gen.run(specs, deadline_s=(cfg.duration_s + cfg.drain_s) / cfg.speed,
+                             on_done=lambda _r: bar.update(1))  # fmt: skip
+    finally:
+        await scraper.stop()
+        bar.close()
+    return raws, scraper.traces
+
+
+def run_arm(
+    arm: str, cfg: NNConfig, wl: Workload, profile: Profile, profile_file: Path,
+    redis_url: str, workdir: Path,
+) -> ArmResult:  # fmt: skip
+    started = time.perf_counter()
+    version = f"{FAMILY}-bench"
+    pools: list[schema.Pool] = ["shared"] * cfg.shared_replicas + [
+        "reserved"
+    ] * cfg.reserved_replicas
+    replicas = cluster.start_replicas(
+        profile,
+        profile_file,
+        version,
+        pools,
+        speed=1.0 * cfg.speed,
+        seed=cfg.seed,
+    )
+    gw: cluster.Gateway | None = None
+    try:
+        specs = wl.tenants
+        classes = {t.tenant_id: t.admission_class for t in specs}
+        if arm == "a":
+            route = round_robin([r.base_url for r in replicas])
+            model = version
+        else:
+            client = redis.Redis.from_url(redis_url)
+            try:
+                client.flushdb()
+                seeds = tenant_seeds(cfg, specs, arm)
+                cluster.seed_read_model(
+                    client, seeds, catalog(cfg, profile, replicas, version, arm)
+                )
+            finally:
+                client.close()
+            gw = cluster.start_gateway(redis_url, cfg.gateway_workers, gateway_env(arm), workdir)
+            url = gw.base_url + "/v1/chat/completions"
+            targets = {
+                s.tenant_id: Target(url, {"Authorization": f"Bearer {s.secret}"}) for s in seeds
+            }
+
+            def route(spec: RequestSpec) -> Target:
+                return targets[spec.tenant_id]
+
+            model = FAMILY
+        raws, traces = asyncio.run(_drive(cfg, wl, route, model, replicas, arm))
+    finally:
+        if gw is not None:
+            gw.stop()
+        cluster.stop_replicas(replicas)
+    by_id = {r.request_id: r for r in wl.requests}
+    outcomes = [
+        _real_outcome(raw, classes[raw.spec.tenant_id], cfg, by_id[raw.spec.request_id])
+        for raw in raws
+        if raw.spec.at_s >= cfg.warmup_s
+    ]
+    return ArmResult(
+        arm=arm, outcomes=outcomes, traces=traces,
+        preemptions=sum(t.preemptions for t in traces.values()),
+        wall_s=time.perf_counter() - started, measured_s=cfg.duration_s - cfg.warmup_s,
+    )  # fmt: skip
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def _group_name(specs: Sequence[TenantSpec]) -> Callable[[Outcome], str]:
+    noisy = {t.tenant_id for t in specs if t.noisy}
+    return lambda o: "noisy" if o.tenant_id in noisy else o.admission_class
+
+
+def summarise(
+    res: ArmResult, specs: Sequence[TenantSpec]
+) -> tuple[dict[str, GroupStats], dict[str, GroupStats]]:  # noqa: E501
+    by_tenant = {
+        tid: GroupStats.of(tid, outs, res.measured_s)
+        for tid, outs in sorted(group_by(res.outcomes, lambda o: o.tenant_id).items())
+    }
+    by_class = {
+        c: GroupStats.of(c, outs, res.measured_s)
+        for c, outs in sorted(group_by(res.outcomes, _group_name(specs)).items())
+    }
+    return by_tenant, by_class
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.nn_report import write_report
+
+    ap = argparse.ArgumentParser(prog="python -m bench.noisy_neighbour", description=__doc__)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (tests)")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    cfg = NNConfig.smoke() if args.smoke else NNConfig()
+    if args.seed is not None:
+        cfg = dataclasses.replace(cfg, seed=args.seed)
+    arms = [a for a in args.arms.split(",") if a]
+    command = "python -m bench.noisy_neighbour" + (" --smoke" if args.smoke else "")
+    run(cfg, arms, args.out, command, write_report)
+    return 0
+
+
+def run(cfg: NNConfig, arms: Sequence[str], out: Path, command: str,
+        report: Callable[..., Path]) -> dict[str, ArmResult]:  # fmt: skip
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        raise SystemExit(f"unknown arms {sorted(unknown)}; choose from {ARMS}")
+    specs = tenants(cfg)
+    wl = build_workload(specs, cfg.duration_s, cfg.seed)
+    profile = coarse_profile(LLAMA_70B_TP4_H100, cfg.k, cfg.chunk_tokens)
+    workdir = cluster.workdir()
+    profile_file = cluster.write_profile_file([profile], workdir)
+    redis_url = cluster.bench_redis_url()
+    print(f"[noisy_neighbour] {cfg}", flush=True)
+    print(f"[noisy_neighbour] replica profile {profile}", flush=True)
+    print(f"[noisy_neighbour] redis {redis_url}; {len(wl.requests)} requests per arm", flush=True)
+    results: dict[str, ArmResult] = {}
+    for arm in arms:
+        arm_wl = wl.without_noisy() if arm == "quiet" else wl
+        res = run_arm(arm, cfg, arm_wl, profile, profile_file, redis_url, workdir)
+        results[arm] = res
+        print(f"[noisy_neighbour] arm {arm}: {len(res.outcomes)} measured requests, "
+              f"{res.wall_s:.0f} s wall", flush=True)  # fmt: skip
+    path = report(results, cfg, specs, profile, out, command)
+    print(f"[noisy_neighbour] wrote {path}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
