@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.exceptions import ObjectDoesNotExist
+from django.core.exceptions import NON_FIELD_ERRORS, ObjectDoesNotExist
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import IntegrityError
@@ -62,6 +62,9 @@ def _flatten(detail: Any, prefix: str = "") -> list[tuple[str, str, str]]:
     out: list[tuple[str, str, str]] = []
     if isinstance(detail, dict):
         for key, value in detail.items():
+            if key in (NON_FIELD, NON_FIELD_ERRORS):
+                out.extend(_flatten(value, prefix))
+                continue
             path = f"{prefix}.{key}" if prefix else str(key)
             out.extend(_flatten(value, path))
     elif isinstance(detail, list):
@@ -80,7 +83,7 @@ def _translate(exc: Exception) -> Exception:
     if isinstance(exc, Http404 | ObjectDoesNotExist):
         return exceptions.NotFound()
     if isinstance(exc, DjangoPermissionDenied):
-        return exceptions.PermissionDenied()
+        return exceptions.PermissionDenied(str(exc) or None)
     if isinstance(exc, IntegrityError):
         return Conflict()
     return exc

@@ -40,7 +40,7 @@ class TenantOutput(serializers.Serializer):
 
 
 class TenantListApi(APIView):
-    class CreateInput(serializers.Serializer):
+    class TenantCreateInput(serializers.Serializer):
         name = serializers.CharField(max_length=100)
         plan = serializers.SlugRelatedField(slug_field="name", queryset=Plan.objects.all())
         owner = serializers.CharField(required=False, help_text="Username or email of an "
@@ -53,11 +53,11 @@ class TenantListApi(APIView):
         roles = selectors.tenant_roles_for_user(user=request.user)
         return Response(TenantOutput(tenants, many=True, context={"roles": roles}).data)
 
-    @extend_schema(request=CreateInput, responses={201: TenantOutput})
+    @extend_schema(request=TenantCreateInput, responses={201: TenantOutput})
     def post(self, request: Request) -> Response:
         if not request.user.is_staff:
             raise PermissionDenied("Only operators may create tenants.")
-        data = _valid(self.CreateInput, request)
+        data = _valid(self.TenantCreateInput, request)
         owner = _user_by_login(data["owner"], field="owner") if data.get("owner") else None
         tenant = services.tenant_create(name=data["name"], plan=data["plan"], owner=owner,
                                         billing_email=data["billing_email"])
@@ -66,7 +66,7 @@ class TenantListApi(APIView):
 
 
 class TenantDetailApi(APIView):
-    class UpdateInput(serializers.Serializer):
+    class TenantUpdateInput(serializers.Serializer):
         name = serializers.CharField(max_length=100, required=False)
         billing_email = serializers.EmailField(required=False, allow_blank=True)
         # Operators only:
@@ -79,11 +79,11 @@ class TenantDetailApi(APIView):
         access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
         return Response(_tenant_out(access))
 
-    @extend_schema(request=UpdateInput, responses=TenantOutput)
+    @extend_schema(request=TenantUpdateInput, responses=TenantOutput)
     def patch(self, request: Request, tenant_id: UUID) -> Response:
         access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
         access.require(selectors.TENANT_EDITORS, "edit this tenant")
-        data = _valid(self.UpdateInput, request)
+        data = _valid(self.TenantUpdateInput, request)
         if {"plan", "suspended"} & data.keys():
             access.require_staff("change a tenant's plan or suspension")
         tenant = access.tenant
@@ -120,7 +120,7 @@ def _check_owner_change(access: selectors.TenantAccess, *roles: str) -> None:
 
 
 class MemberListApi(APIView):
-    class Input(serializers.Serializer):
+    class MemberAddInput(serializers.Serializer):
         user = serializers.CharField(help_text="Username or email of an existing user.")
         role = serializers.ChoiceField(choices=Role.choices)
 
@@ -131,11 +131,11 @@ class MemberListApi(APIView):
         return Response(MemberOutput(selectors.membership_list(tenant=access.tenant),
                                      many=True).data)
 
-    @extend_schema(request=Input, responses={201: MemberOutput})
+    @extend_schema(request=MemberAddInput, responses={201: MemberOutput})
     def post(self, request: Request, tenant_id: UUID) -> Response:
         access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
         access.require(selectors.MEMBER_MANAGERS, "add members")
-        data = _valid(self.Input, request)
+        data = _valid(self.MemberAddInput, request)
         _check_owner_change(access, data["role"])
         user = _user_by_login(data["user"], field="user")
         membership = services.membership_add(tenant=access.tenant, user=user, role=data["role"])
@@ -143,7 +143,7 @@ class MemberListApi(APIView):
 
 
 class MemberDetailApi(APIView):
-    class Input(serializers.Serializer):
+    class MemberRoleInput(serializers.Serializer):
         role = serializers.ChoiceField(choices=Role.choices)
 
     def _get(self, request: Request, tenant_id: UUID,
@@ -157,14 +157,15 @@ class MemberDetailApi(APIView):
         _, membership = self._get(request, tenant_id, member_id)
         return Response(MemberOutput(membership).data)
 
-    @extend_schema(request=Input, responses=MemberOutput)
+    @extend_schema(request=MemberRoleInput, responses=MemberOutput)
     def patch(self, request: Request, tenant_id: UUID, member_id: int) -> Response:
         access, membership = self._get(request, tenant_id, member_id)
-        data = _valid(self.Input, request)
+        data = _valid(self.MemberRoleInput, request)
         _check_owner_change(access, membership.role, data["role"])
         membership = services.membership_change_role(membership=membership, role=data["role"])
         return Response(MemberOutput(membership).data)
 
+    @extend_schema(responses={204: None})
     def delete(self, request: Request, tenant_id: UUID, member_id: int) -> Response:
         access, membership = self._get(request, tenant_id, member_id)
         _check_owner_change(access, membership.role)
@@ -199,7 +200,7 @@ class KeyCreatedOutput(KeyOutput):
 
 
 class KeyListApi(APIView):
-    class Input(serializers.Serializer):
+    class KeyCreateInput(serializers.Serializer):
         name = serializers.CharField(max_length=100)
         scopes = serializers.ListField(child=serializers.ChoiceField(
             choices=SCOPES, error_messages={"invalid_choice": f'Unknown scope "{{input}}"; '
@@ -213,11 +214,11 @@ class KeyListApi(APIView):
         access.require(selectors.KEY_READERS, "see API keys")
         return Response(KeyOutput(selectors.api_key_list(tenant=access.tenant), many=True).data)
 
-    @extend_schema(request=Input, responses={201: KeyCreatedOutput})
+    @extend_schema(request=KeyCreateInput, responses={201: KeyCreatedOutput})
     def post(self, request: Request, tenant_id: UUID) -> Response:
         access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
         access.require(selectors.KEY_WRITERS, "create API keys")
-        data = _valid(self.Input, request)
+        data = _valid(self.KeyCreateInput, request)
         api_key, secret = services.api_key_create(
             tenant=access.tenant, name=data["name"], scopes=data["scopes"],
             created_by=request.user, expires_at=data["expires_at"])
@@ -265,7 +266,7 @@ MAX_LIMIT = 2**62  # keeps every value inside a PostgreSQL bigint
 
 
 class LimitListApi(APIView):
-    class Input(serializers.Serializer):
+    class LimitSetInput(serializers.Serializer):
         model = serializers.CharField(help_text="Model family, e.g. llama-70b.")
         rpm = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
         tpm = serializers.IntegerField(min_value=0, max_value=MAX_LIMIT, required=False)
@@ -293,12 +294,12 @@ class LimitListApi(APIView):
         access.require(selectors.LIMIT_READERS, "see limits")
         return Response(LimitOutput(selectors.limit_list(tenant=access.tenant), many=True).data)
 
-    @extend_schema(request=Input, responses=LimitOutput)
+    @extend_schema(request=LimitSetInput, responses=LimitOutput)
     def post(self, request: Request, tenant_id: UUID) -> Response:
         """Set the tenant's override for one model family (fields not given are kept)."""
         access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
         access.require_staff("change limits")
-        data = _valid(self.Input, request)
+        data = _valid(self.LimitSetInput, request)
         family = data.pop("model")
         values = {name: data[name] for name in LIMIT_FIELDS if name in data}
         services.tenant_limit_set(tenant=access.tenant, family=family, **values)
@@ -314,6 +315,7 @@ class LimitDetailApi(APIView):
         return Response(LimitOutput(selectors.limit_get(tenant=access.tenant,
                                                         family=model)).data)
 
+    @extend_schema(responses={204: None})
     def delete(self, request: Request, tenant_id: UUID, model: str) -> Response:
         """Drop the tenant's override: the plan default applies again."""
         access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)

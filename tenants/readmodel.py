@@ -67,7 +67,7 @@ def key_record(*, key_id: Any, tenant_id: Any, scopes: Iterable[str],
 def tenant_record(tenant: Tenant, limits: dict[str, Any]) -> schema.TenantRecord:
     return schema.TenantRecord(
         tenant_id=str(tenant.id), name=tenant.name, plan=tenant.plan.name,
-        admission_class=tenant.plan.admission_class,  # type: ignore[arg-type]
+        admission_class=tenant.plan.admission_class,
         suspended=tenant.is_suspended,
         limits={family: schema.LimitRecord(rpm=lim.rpm, tpm=lim.tpm,
                                            max_context=lim.max_context,
@@ -91,7 +91,7 @@ def catalog_record() -> schema.Catalog:
             kv_bytes_per_token=v.kv_bytes_per_token, tpot_target_ms=v.tpot_target_ms,
             kv_capacity_tokens=v.kv_capacity_tokens,
             replicas=tuple(schema.ReplicaRecord(replica_id=r.name, base_url=r.base_url,
-                                                pool=r.pool)  # type: ignore[arg-type]
+                                                pool=r.pool)
                            for r in v.replicas.all()),
         )
         for v in versions
@@ -157,6 +157,10 @@ def desired_all() -> dict[str, Desired]:
 # -- the Redis side ------------------------------------------------------------------------
 
 
+def text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
 def _change_for(redis_key: str, version: int) -> schema.Change:
     if redis_key == schema.CATALOG_KEY:
         return schema.Change(kind="catalog", ident="", version=version)
@@ -206,7 +210,8 @@ class ReadModel:
         """Every read-model record (not the version), for comparisons and debugging."""
         keys = [schema.CATALOG_KEY, *self._scan(KEY_PATTERN), *self._scan(TENANT_PATTERN)]
         values = self.redis.mget(keys)
-        return {k: v for k, v in zip(keys, values, strict=True) if v is not None}
+        return {k: v.encode() if isinstance(v, str) else v
+                for k, v in zip(keys, values, strict=True) if v is not None}
 
     def version(self) -> int:
         raw = self.redis.get(schema.VERSION_KEY)
@@ -214,7 +219,7 @@ class ReadModel:
 
     # -- internals -----------------------------------------------------------------------
     def _scan(self, pattern: str) -> list[str]:
-        return sorted(k.decode() for k in self.redis.scan_iter(match=pattern, count=1000))
+        return sorted(text(k) for k in self.redis.scan_iter(match=pattern, count=1000))
 
     def _push(self, build: Any, *, full: bool = False) -> PushResult:
         with self.redis.lock(LOCK_KEY, timeout=LOCK_TIMEOUT_S, blocking_timeout=LOCK_WAIT_S):

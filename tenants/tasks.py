@@ -10,7 +10,7 @@ from celery import shared_task
 
 from gateway.schema import KEY_LAST_USED_HASH
 from tenants import services
-from tenants.readmodel import read_model
+from tenants.readmodel import read_model, text
 
 log = logging.getLogger("fairway.tasks")
 
@@ -42,7 +42,7 @@ def api_key_last_used_flush() -> int:
     seen: dict[str, datetime] = {}
     for key_id, stamp in raw.items():
         try:
-            seen[key_id.decode()] = datetime.fromtimestamp(float(stamp), tz=UTC)
+            seen[text(key_id)] = datetime.fromtimestamp(float(stamp), tz=UTC)
         except (ValueError, OverflowError, OSError):
             log.warning("ignoring malformed last-used stamp %r=%r", key_id, stamp)
     updated = services.api_key_last_used_record(seen=seen)

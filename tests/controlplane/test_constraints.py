@@ -7,6 +7,9 @@ from typing import Any
 
 import pytest
 from django.db import IntegrityError, transaction
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 
 from catalog.models import ModelFamily, ModelVersion
 from tenants.models import Membership, PlanModelLimit, Role, Tenant, TenantModelLimit
@@ -127,3 +130,35 @@ def test_unknown_scope_message_names_it_and_the_known_ones(tenant_a: Tenant, own
     error = error_of(response)
     assert error["code"] == "invalid_choice"
     assert 'Unknown scope "admin"; known: chat, models:read.' in error["message"]
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner,
+                                                                 max_size=3),
+    max_leaves=8,
+)
+LIMIT_KEYS = ["model", "rpm", "tpm", "max_context", "max_output", "kv_seconds_cap",
+              "reserved_kv"]
+KEY_KEYS = ["name", "scopes", "expires_at"]
+
+
+@hyp_settings(max_examples=40, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(limit_body=st.dictionaries(st.sampled_from(LIMIT_KEYS) | st.text(max_size=8), JSON,
+                                  max_size=5),
+       key_body=st.dictionaries(st.sampled_from(KEY_KEYS) | st.text(max_size=8), JSON,
+                                max_size=4))
+def test_fuzzed_bodies_never_cause_a_server_error(
+        tenant_a: Tenant, staff: Any, client_for: Any, limit_body: dict[str, Any],
+        key_body: dict[str, Any]) -> None:
+    client = client_for(staff)
+    for url, body in ((f"/api/v1/tenants/{tenant_a.id}/limits/", limit_body),
+                      (f"/api/v1/tenants/{tenant_a.id}/keys/", key_body),
+                      (f"/api/v1/tenants/{tenant_a.id}/", key_body)):
+        method = client.patch if url.endswith(f"{tenant_a.id}/") else client.post
+        response = method(url, body, format="json")
+        assert response.status_code < 500, (url, body, response.content)
+        if response.status_code >= 400:
+            error_of(response)

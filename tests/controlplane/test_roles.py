@@ -106,5 +106,7 @@ def test_owner_role_rules(tenant_a: Tenant, owner_a: Any, member_of: Any, make_u
         == 200
 
     response = as_owner.post(base, {"user": "newcomer", "role": "member"}, format="json")
-    assert response.status_code == 400  # already a member: a field error, not a 500
+    assert response.status_code == 400  # already a member: a clear error, not a 500
+    error = error_of(response)
+    assert error["param"] is None and "already a member" in error["message"]
     assert _status(as_owner, "post", base, {"user": "nobody", "role": "member"}) == 400
