@@ -8,6 +8,7 @@ rules so that services report them against the right field.
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -225,7 +226,7 @@ class ApiKey(models.Model):
         if len(set(scopes)) != len(scopes):
             raise ValidationError({"scopes": "Scopes must not repeat."})
 
-    def is_active(self, now: object | None = None) -> bool:
+    def is_active(self, now: datetime | None = None) -> bool:
         at = now or timezone.now()
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > at)
 

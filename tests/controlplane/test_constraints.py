@@ -162,3 +162,19 @@ def test_fuzzed_bodies_never_cause_a_server_error(
         assert response.status_code < 500, (url, body, response.content)
         if response.status_code >= 400:
             error_of(response)
+
+
+def test_override_for_a_family_without_plan_default_needs_every_limit(
+        tenant_a: Tenant, staff: Any, client_for: Any) -> None:
+    from catalog import services as catalog_services
+
+    catalog_services.family_upsert(name="llama-8b")
+    url = f"/api/v1/tenants/{tenant_a.id}/limits/"
+    client = client_for(staff)
+    response = client.post(url, {"model": "llama-8b", "rpm": 5}, format="json")
+    assert response.status_code == 400
+    assert set(error_of(response)["fields"]) == {"tpm", "max_context", "max_output",
+                                                 "kv_seconds_cap"}
+    response = client.post(url, {"model": "llama-8b", **GOOD}, format="json")
+    assert response.status_code == 200 and response.json()["source"] == "override"
+    assert {lim["model"] for lim in client.get(url).json()} == {"llama-70b", "llama-8b"}
