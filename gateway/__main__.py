@@ -20,12 +20,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
     parser.add_argument("--access-log", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
+    )
     try:
         config = GatewayConfig.from_env()  # fail fast, before any worker starts
     except ConfigError as exc:
@@ -38,9 +41,14 @@ def main(argv: list[str] | None = None) -> int:
 
         worker_main(bind_socket(args.host, args.port), args.log_level, args.access_log)
         return 0
-    return Supervisor(host=args.host, port=args.port, workers=args.workers,
-                      drain_deadline_s=config.drain_deadline_s, log_level=args.log_level,
-                      access_log=args.access_log).run()
+    return Supervisor(
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        drain_deadline_s=config.drain_deadline_s,
+        log_level=args.log_level,
+        access_log=args.access_log,
+    ).run()
 
 
 if __name__ == "__main__":

@@ -70,8 +70,9 @@ class GatewayApp:
         try:
             if path == CHAT:
                 if method != "POST":
-                    raise MethodNotAllowed("Use POST for /v1/chat/completions.",
-                                           code="method_not_allowed")
+                    raise MethodNotAllowed(
+                        "Use POST for /v1/chat/completions.", code="method_not_allowed"
+                    )
                 await self.chat(receive, send, hdrs, request_id, client_rid)
             elif method != "GET" and path in (MODELS, "/healthz", "/readyz", "/metrics"):
                 raise MethodNotAllowed(f"Use GET for {path}.", code="method_not_allowed")
@@ -82,8 +83,9 @@ class GatewayApp:
             elif path == "/readyz":
                 await self._ready(send, headers)
             elif path == "/metrics":
-                await send_bytes(send, 200, self.gw.metrics.render(),
-                                 METRICS_CONTENT_TYPE.encode(), headers)
+                await send_bytes(
+                    send, 200, self.gw.metrics.render(), METRICS_CONTENT_TYPE.encode(), headers
+                )
             else:
                 raise NotFound(f"Unknown path {path[:200]}.", code="unknown_url")
         except ApiError as exc:
@@ -97,8 +99,9 @@ class GatewayApp:
             except Exception:  # noqa: BLE001 - the response had started; nothing to add
                 log.debug("could not send the 500 for %s", request_id)
 
-    async def _models(self, send: Send, authorization: bytes | None,
-                      headers: dict[str, str]) -> None:
+    async def _models(
+        self, send: Send, authorization: bytes | None, headers: dict[str, str]
+    ) -> None:
         principal = await self.gw.auth.authenticate(authorization, "models:read")
         catalog = self.gw.readmodel.catalog
         allowed = principal.tenant.limits
@@ -107,15 +110,22 @@ class GatewayApp:
             if family not in allowed:
                 continue
             versions = sorted(v.version for v in catalog.versions.values() if v.family == family)
-            data.append(_model_card(family, "fairway", {"current_version": current,
-                                                        "versions": versions}))
+            data.append(
+                _model_card(family, "fairway", {"current_version": current, "versions": versions})
+            )
         data.extend(
-            _model_card(v.version, "fairway", {
-                "family": v.family,
-                "context_length": min(v.context_length, allowed[v.family].max_context),
-                "max_output": allowed[v.family].max_output})
+            _model_card(
+                v.version,
+                "fairway",
+                {
+                    "family": v.family,
+                    "context_length": min(v.context_length, allowed[v.family].max_context),
+                    "max_output": allowed[v.family].max_output,
+                },
+            )
             for v in sorted(catalog.versions.values(), key=lambda v: v.version)
-            if v.family in allowed)
+            if v.family in allowed
+        )
         body = orjson.dumps({"object": "list", "data": data})
         await send_bytes(send, 200, body, JSON, headers)
 
@@ -132,8 +142,9 @@ class GatewayApp:
         if not self.gw.registry.any_healthy():
             problems.append("no replica reachable")
         status = 503 if problems else 200
-        body = orjson.dumps({"status": "ready" if not problems else "not ready",
-                             "problems": problems})
+        body = orjson.dumps(
+            {"status": "ready" if not problems else "not ready", "problems": problems}
+        )
         await send_bytes(send, status, body, JSON, headers)
 
 

@@ -54,7 +54,8 @@ class Authenticator:
 def _bearer_secret(authorization: bytes | None) -> str:
     if not authorization:
         raise Unauthorized(
-            "You didn't provide an API key. Send it as 'Authorization: Bearer fw-...'.")
+            "You didn't provide an API key. Send it as 'Authorization: Bearer fw-...'."
+        )
     try:
         text = authorization.decode("ascii")
     except UnicodeDecodeError:

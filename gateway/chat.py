@@ -38,8 +38,14 @@ class ChatCompletions:
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
 
-    async def __call__(self, receive: Receive, send: Send, hdrs: RequestHeaders,
-                       request_id: str, client_request_id: str | None) -> None:
+    async def __call__(
+        self,
+        receive: Receive,
+        send: Send,
+        hdrs: RequestHeaders,
+        request_id: str,
+        client_request_id: str | None,
+    ) -> None:
         gw = self.gw
         t0 = time.monotonic()
         started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
@@ -49,9 +55,11 @@ class ChatCompletions:
         claim: Claim | None = None
         try:
             if gw.draining:
-                raise Unavailable("The gateway is shutting down; retry on another instance.",
-                                  code="shutting_down",
-                                  headers={"connection": "close", **jittered_retry_after(1, 2)})
+                raise Unavailable(
+                    "The gateway is shutting down; retry on another instance.",
+                    code="shutting_down",
+                    headers={"connection": "close", **jittered_retry_after(1, 2)},
+                )
             principal = await gw.auth.authenticate(hdrs.authorization, "chat")
             tenant_id = principal.tenant.tenant_id
             body = await read_body(receive, gw.config.max_body_bytes, hdrs.content_length)
@@ -59,8 +67,11 @@ class ChatCompletions:
             version = gw.readmodel.catalog.resolve(req.model)
             limit = principal.tenant.limit_for(version.family) if version is not None else None
             if version is None or limit is None:
-                raise NotFound(f"The model `{req.model}` does not exist or you do not have "
-                               "access to it.", param="model", code="model_not_found")
+                raise NotFound(
+                    f"The model `{req.model}` does not exist or you do not have access to it.",
+                    param="model",
+                    code="model_not_found",
+                )
             model = version.version
             prompt_estimate = tokens.prompt_tokens(req.message_texts)
             max_tokens = apply_limits(req, version, limit, prompt_estimate)
@@ -72,20 +83,34 @@ class ChatCompletions:
                     return
                 claim = outcome
                 gw.metrics.idempotency.labels("retry" if claim.is_retry else "claimed").inc()
-            ticket = await gw.admission.admit(AdmissionRequest(
-                request_id=request_id, tenant=principal.tenant, limit=limit, version=version,
-                prompt_tokens_est=prompt_estimate, max_output=max_tokens,
-                is_retry=claim.is_retry if claim is not None else False))
+            ticket = await gw.admission.admit(
+                AdmissionRequest(
+                    request_id=request_id,
+                    tenant=principal.tenant,
+                    limit=limit,
+                    version=version,
+                    prompt_tokens_est=prompt_estimate,
+                    max_output=max_tokens,
+                    is_retry=claim.is_retry if claim is not None else False,
+                )
+            )
         except ClientGone:
             self._release(claim)
             return
         except RedisError as exc:
             log.warning("redis unavailable on the request path: %r", exc)
             self._release(claim)
-            await self._refuse(send, Unavailable(
-                "The gateway's configuration store is unreachable; retry shortly.",
-                code="config_store_unavailable", headers=jittered_retry_after(1, 4)),
-                headers, tenant_id, model)
+            await self._refuse(
+                send,
+                Unavailable(
+                    "The gateway's configuration store is unreachable; retry shortly.",
+                    code="config_store_unavailable",
+                    headers=jittered_retry_after(1, 4),
+                ),
+                headers,
+                tenant_id,
+                model,
+            )
             return
         except ApiError as exc:
             if exc.status == 409 or exc.status == 422:
@@ -96,30 +121,44 @@ class ChatCompletions:
 
         headers.update(ticket.headers)
         exchange = Exchange(
-            gw, request_id=request_id, client_request_id=client_request_id,
-            principal=principal, req=req, version=version, ticket=ticket,
-            prompt_estimate=prompt_estimate, max_tokens=max_tokens, claim=claim,
-            is_retry=ticket_is_retry(claim), started_at=started_at, t0=t0, headers=headers)
+            gw,
+            request_id=request_id,
+            client_request_id=client_request_id,
+            principal=principal,
+            req=req,
+            version=version,
+            ticket=ticket,
+            prompt_estimate=prompt_estimate,
+            max_tokens=max_tokens,
+            claim=claim,
+            is_retry=ticket_is_retry(claim),
+            started_at=started_at,
+            t0=t0,
+            headers=headers,
+        )
         await exchange.run(receive, send)
 
     def _release(self, claim: Claim | None) -> None:
         if claim is not None:
             self.gw.spawn(self.gw.idempotency.abandon(claim))
 
-    async def _refuse(self, send: Send, exc: ApiError, headers: dict[str, str],
-                      tenant_id: str, model: str) -> None:
+    async def _refuse(
+        self, send: Send, exc: ApiError, headers: dict[str, str], tenant_id: str, model: str
+    ) -> None:
         self.gw.metrics.requests.labels(tenant_id, model, str(exc.status)).inc()
         self.gw.metrics.rejections.labels(str(exc.status), str(exc.code)).inc()
         await send_error(send, exc, headers)
 
-    async def _replay(self, send: Send, replay: Replay, headers: dict[str, str],
-                      tenant_id: str, model: str) -> None:
+    async def _replay(
+        self, send: Send, replay: Replay, headers: dict[str, str], tenant_id: str, model: str
+    ) -> None:
         """The stored response, byte for byte: no generation, no usage event, no charge."""
         self.gw.metrics.idempotency.labels("replayed").inc()
         self.gw.metrics.requests.labels(tenant_id, model, "200").inc()
         content_type = JSON if replay.kind == KIND_JSON else SSE
-        await send_bytes(send, 200, replay.body, content_type,
-                         {**headers, "idempotent-replayed": "true"})
+        await send_bytes(
+            send, 200, replay.body, content_type, {**headers, "idempotent-replayed": "true"}
+        )
 
 
 def ticket_is_retry(claim: Claim | None) -> bool:

@@ -87,8 +87,11 @@ class GatewayConfig:
         pepper = env.get("FAIRWAY_KEY_PEPPER", "")
         salt_key = env.get("FAIRWAY_CACHE_SALT_KEY", "")
         if environment == "production":
-            missing = [n for n, v in (("FAIRWAY_KEY_PEPPER", pepper),
-                                      ("FAIRWAY_CACHE_SALT_KEY", salt_key)) if not v]
+            missing = [
+                n
+                for n, v in (("FAIRWAY_KEY_PEPPER", pepper), ("FAIRWAY_CACHE_SALT_KEY", salt_key))
+                if not v
+            ]
             if missing:
                 raise ConfigError(f"production requires {', '.join(missing)}")
             if pepper == DEV_KEY_PEPPER or salt_key == DEV_CACHE_SALT_KEY:

@@ -37,8 +37,14 @@ class ApiError(Exception):
             self.type = type
 
     def payload(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def body(self) -> bytes:
         return orjson.dumps(self.payload())
@@ -116,8 +122,9 @@ class GatewayTimeout(ApiError):
     type = "server_error"
 
 
-def jittered_retry_after(base_s: float, spread_s: float,
-                         rng: random.Random | None = None) -> dict[str, str]:
+def jittered_retry_after(
+    base_s: float, spread_s: float, rng: random.Random | None = None
+) -> dict[str, str]:
     """``retry-after`` / ``retry-after-ms`` drawn uniformly from [base, base + spread].
 
     Every response gets its own draw so that clients told to wait do not return at one
@@ -127,6 +134,7 @@ def jittered_retry_after(base_s: float, spread_s: float,
     return {"retry-after": str(max(1, round(delay))), "retry-after-ms": str(int(delay * 1000))}
 
 
-def capacity_unavailable(message: str, *, code: str = "capacity",
-                         base_s: float = 1.0, spread_s: float = 4.0) -> Unavailable:
+def capacity_unavailable(
+    message: str, *, code: str = "capacity", base_s: float = 1.0, spread_s: float = 4.0
+) -> Unavailable:
     return Unavailable(message, code=code, headers=jittered_retry_after(base_s, spread_s))

@@ -43,23 +43,43 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.exchange")
 
 # vLLM finish reasons → the usage event's vocabulary.
-_FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "repetition": "stop",
-           "tool_calls": "stop", "error": "error"}
+_FINISH = {
+    "stop": "stop",
+    "length": "length",
+    "abort": "cancelled",
+    "repetition": "stop",
+    "tool_calls": "stop",
+    "error": "error",
+}
 CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
 
 
 def _stream_error(message: str, code: str) -> bytes:
-    body = orjson.dumps({"error": {"message": message, "type": "server_error", "param": None,
-                                   "code": code}})
+    body = orjson.dumps(
+        {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    )
     return b"data: " + body + b"\n\n" + SSE_DONE
 
 
 class Exchange:
-    def __init__(self, gw: Gateway, *, request_id: str, client_request_id: str | None,
-                 principal: Principal, req: ChatRequest, version: ModelVersionRecord,
-                 ticket: Ticket, prompt_estimate: int, max_tokens: int,
-                 claim: idempotency.Claim | None, is_retry: bool, started_at: str,
-                 t0: float, headers: dict[str, str]) -> None:
+    def __init__(
+        self,
+        gw: Gateway,
+        *,
+        request_id: str,
+        client_request_id: str | None,
+        principal: Principal,
+        req: ChatRequest,
+        version: ModelVersionRecord,
+        ticket: Ticket,
+        prompt_estimate: int,
+        max_tokens: int,
+        claim: idempotency.Claim | None,
+        is_retry: bool,
+        started_at: str,
+        t0: float,
+        headers: dict[str, str],
+    ) -> None:
         self.gw = gw
         self.request_id = request_id
         self.client_request_id = client_request_id
@@ -134,9 +154,13 @@ class Exchange:
 
     async def _open(self) -> httpx.Response:
         gw, replica = self.gw, self.ticket.replica
-        body = gw.upstream.build_body(self.req, self.version, max_tokens=self.max_tokens,
-                                      priority=self.ticket.priority,
-                                      tenant_id=self.principal.tenant.tenant_id)
+        body = gw.upstream.build_body(
+            self.req,
+            self.version,
+            max_tokens=self.max_tokens,
+            priority=self.ticket.priority,
+            tenant_id=self.principal.tenant.tenant_id,
+        )
         self.gw.metrics.preflight.observe(time.monotonic() - self.tracker.started)
         try:
             return await gw.upstream.open(replica, body, self.request_id)
@@ -145,27 +169,33 @@ class Exchange:
             if exc.status in (429, 503):
                 raise capacity_unavailable(f"The model replica is busy: {exc.message}") from None
             if exc.status == 400:
-                raise ApiError(exc.message, status=400, type="invalid_request_error",
-                               code="upstream_rejected") from None
-            raise UpstreamError(f"The model replica failed ({exc.status}): {exc.message}",
-                                code="upstream_error") from None
+                raise ApiError(
+                    exc.message, status=400, type="invalid_request_error", code="upstream_rejected"
+                ) from None
+            raise UpstreamError(
+                f"The model replica failed ({exc.status}): {exc.message}", code="upstream_error"
+            ) from None
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             gw.metrics.upstream_errors.labels(replica.replica_id, "connect").inc()
             gw.registry.mark_failed(replica.replica_id, repr(exc))
-            raise capacity_unavailable("The model replica is unreachable; retry shortly.",
-                                       code="replica_unavailable") from None
+            raise capacity_unavailable(
+                "The model replica is unreachable; retry shortly.", code="replica_unavailable"
+            ) from None
         except httpx.PoolTimeout:
             gw.metrics.upstream_errors.labels(replica.replica_id, "pool").inc()
-            raise capacity_unavailable("The gateway is at its connection limit.",
-                                       code="gateway_overloaded") from None
+            raise capacity_unavailable(
+                "The gateway is at its connection limit.", code="gateway_overloaded"
+            ) from None
         except httpx.TimeoutException:
             gw.metrics.upstream_errors.labels(replica.replica_id, "timeout").inc()
-            raise GatewayTimeout("The model replica did not answer in time.",
-                                 code="upstream_timeout") from None
+            raise GatewayTimeout(
+                "The model replica did not answer in time.", code="upstream_timeout"
+            ) from None
         except httpx.HTTPError as exc:
             gw.metrics.upstream_errors.labels(replica.replica_id, "transport").inc()
-            raise UpstreamError(f"The model replica failed: {exc!r}",
-                                code="upstream_error") from None
+            raise UpstreamError(
+                f"The model replica failed: {exc!r}", code="upstream_error"
+            ) from None
 
     # -- relays ------------------------------------------------------------------------
     async def _relay_stream(self, response: httpx.Response, send: Send) -> None:
@@ -175,20 +205,22 @@ class Exchange:
         try:
             first = await self._next(batches)
             if first is None:
-                raise UpstreamError("The model replica closed the stream before responding.",
-                                    code="upstream_error")
+                raise UpstreamError(
+                    "The model replica closed the stream before responding.", code="upstream_error"
+                )
             if first[0].startswith(b'{"error"'):
                 tracker.observe(first[0], time.monotonic())
                 message = str((tracker.error or {}).get("message", "unknown error"))
-                raise UpstreamError(f"The model replica failed: {message}",
-                                    code="upstream_error")
+                raise UpstreamError(f"The model replica failed: {message}", code="upstream_error")
         except (httpx.TimeoutException, httpx.TransportError) as exc:
             self.gw.metrics.upstream_errors.labels(replica_id, "before_first_chunk").inc()
             if isinstance(exc, httpx.TimeoutException):
-                raise GatewayTimeout("The model replica stalled before the first token.",
-                                     code="upstream_timeout") from None
-            raise UpstreamError("The model replica failed before the first token.",
-                                code="upstream_error") from None
+                raise GatewayTimeout(
+                    "The model replica stalled before the first token.", code="upstream_timeout"
+                ) from None
+            raise UpstreamError(
+                "The model replica failed before the first token.", code="upstream_error"
+            ) from None
 
         headers = encode_headers(self.headers)
         headers += [(b"content-type", SSE), (b"cache-control", b"no-cache")]
@@ -219,14 +251,12 @@ class Exchange:
         elif failure is None and not tracker.done:
             self.finish = "error"
             self.gw.metrics.upstream_errors.labels(replica_id, "truncated").inc()
-            failure = _stream_error("The model replica ended the stream early.",
-                                    "upstream_error")
+            failure = _stream_error("The model replica ended the stream early.", "upstream_error")
         if failure is None and self.capture is not None and self.claim is not None:
             self.capture.append(SSE_DONE)
             await self._store(idempotency.KIND_SSE, b"".join(self.capture))
         self.response_done = True
-        await send({"type": "http.response.body", "body": failure or SSE_DONE,
-                    "more_body": False})
+        await send({"type": "http.response.body", "body": failure or SSE_DONE, "more_body": False})
 
     async def _next(self, batches: object) -> list[bytes] | None:
         try:
@@ -269,8 +299,9 @@ class Exchange:
                     kind = tracker.observe(data, now)
                     if kind == ERROR:
                         message = str((tracker.error or {}).get("message", "unknown error"))
-                        raise UpstreamError(f"The model replica failed: {message}",
-                                            code="upstream_error")
+                        raise UpstreamError(
+                            f"The model replica failed: {message}", code="upstream_error"
+                        )
                     if kind == END:
                         break
                 if tracker.done:
@@ -280,11 +311,11 @@ class Exchange:
             raise GatewayTimeout("The model replica stalled.", code="upstream_timeout") from None
         except httpx.TransportError:
             self.gw.metrics.upstream_errors.labels(replica_id, "mid_stream").inc()
-            raise UpstreamError("The model replica failed mid-generation.",
-                                code="upstream_error") from None
+            raise UpstreamError(
+                "The model replica failed mid-generation.", code="upstream_error"
+            ) from None
         if not tracker.done:
-            raise UpstreamError("The model replica ended the stream early.",
-                                code="upstream_error")
+            raise UpstreamError("The model replica ended the stream early.", code="upstream_error")
         body = orjson.dumps(tracker.completion(self.req.model, self.prompt_estimate))
         if self.claim is not None:
             await self._store(idempotency.KIND_JSON, body)
@@ -319,14 +350,25 @@ class Exchange:
         completion = tracker.completion_tokens
         tenant_id = self.principal.tenant.tenant_id
         try:
-            gw.usage.emit(UsageEvent(
-                request_id=self.request_id, tenant_id=tenant_id,
-                api_key_id=self.principal.key.key_id, model=self.req.model,
-                model_version=version.version, replica_id=self.ticket.replica.replica_id,
-                started_at=self.started_at, prompt_tokens=prompt, completion_tokens=completion,
-                cached_tokens=tracker.cached_tokens, ttft_ms=tracker.ttft_ms(),
-                tpot_ms=tracker.tpot_ms(), finish_reason=finish, status=status,
-                is_retry=self.is_retry))
+            gw.usage.emit(
+                UsageEvent(
+                    request_id=self.request_id,
+                    tenant_id=tenant_id,
+                    api_key_id=self.principal.key.key_id,
+                    model=self.req.model,
+                    model_version=version.version,
+                    replica_id=self.ticket.replica.replica_id,
+                    started_at=self.started_at,
+                    prompt_tokens=prompt,
+                    completion_tokens=completion,
+                    cached_tokens=tracker.cached_tokens,
+                    ttft_ms=tracker.ttft_ms(),
+                    tpot_ms=tracker.tpot_ms(),
+                    finish_reason=finish,
+                    status=status,
+                    is_retry=self.is_retry,
+                )
+            )
         except Exception:  # noqa: BLE001 - never lose the settle below to a metrics bug
             log.exception("usage emit failed for %s", self.request_id)
         with contextlib.suppress(Exception):
@@ -335,12 +377,16 @@ class Exchange:
             gw.metrics.finished.labels(version.version, finish).inc()
             if tracker.first_token_at is not None:
                 gw.metrics.ttft.labels(version.version, cls).observe(
-                    tracker.first_token_at - tracker.started)
+                    tracker.first_token_at - tracker.started
+                )
             tpot = tracker.tpot_ms()
             if tpot is not None:
                 gw.metrics.tpot.labels(version.version, cls).observe(tpot / 1000.0)
         if self.claim is not None and not self.stored:
             gw.spawn(gw.idempotency.abandon(self.claim))
-        settle = gw.spawn(gw.admission.settle(self.ticket, prompt_tokens=prompt,
-                                              completion_tokens=completion, outcome=finish))
+        settle = gw.spawn(
+            gw.admission.settle(
+                self.ticket, prompt_tokens=prompt, completion_tokens=completion, outcome=finish
+            )
+        )
         await asyncio.shield(settle)

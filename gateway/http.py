@@ -64,8 +64,9 @@ async def read_body(receive: Receive, limit: int, content_length: bytes | None) 
         except ValueError:
             raise BadRequest("Invalid Content-Length header.", code="invalid_header") from None
         if declared > limit:
-            raise PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.",
-                                  code="request_too_large")
+            raise PayloadTooLarge(
+                f"The request body exceeds the limit of {limit} bytes.", code="request_too_large"
+            )
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -76,8 +77,10 @@ async def read_body(receive: Receive, limit: int, content_length: bytes | None) 
         if chunk:
             size += len(chunk)
             if size > limit:
-                raise PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.",
-                                      code="request_too_large")
+                raise PayloadTooLarge(
+                    f"The request body exceeds the limit of {limit} bytes.",
+                    code="request_too_large",
+                )
             chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
@@ -87,8 +90,13 @@ def encode_headers(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
     return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
-async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes,
-                     headers: Mapping[str, str] | None = None) -> None:
+async def send_bytes(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes,
+    headers: Mapping[str, str] | None = None,
+) -> None:
     raw = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
     if headers:
         raw += encode_headers(headers)

@@ -22,6 +22,7 @@ import secrets
 import zlib
 from dataclasses import dataclass
 
+import orjson
 from redis.asyncio import Redis
 
 from gateway.errors import BadRequest, Conflict, Unprocessable
@@ -79,12 +80,25 @@ def validate_key(raw: bytes) -> str:
     try:
         key = raw.decode("ascii")
     except UnicodeDecodeError:
-        raise BadRequest("Idempotency-Key must be printable ASCII.", param="Idempotency-Key",
-                         code="invalid_idempotency_key") from None
+        raise BadRequest(
+            "Idempotency-Key must be printable ASCII.",
+            param="Idempotency-Key",
+            code="invalid_idempotency_key",
+        ) from None
     if not 0 < len(key) <= MAX_KEY_LEN or not key.isprintable():
-        raise BadRequest(f"Idempotency-Key must be 1 to {MAX_KEY_LEN} printable characters.",
-                         param="Idempotency-Key", code="invalid_idempotency_key")
+        raise BadRequest(
+            f"Idempotency-Key must be 1 to {MAX_KEY_LEN} printable characters.",
+            param="Idempotency-Key",
+            code="invalid_idempotency_key",
+        )
     return key
+
+
+def fingerprint(body: bytes) -> str:
+    """SHA-256 of the body's canonical JSON (sorted keys, no spaces): the same request sent
+    by a different client library, with its own key order and spacing, is the same body."""
+    canonical = orjson.dumps(orjson.loads(body), option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(canonical).hexdigest()
 
 
 class IdempotencyStore:
@@ -104,25 +118,29 @@ class IdempotencyStore:
     async def begin(self, tenant_id: str, key: str, body: bytes) -> Claim | Replay:
         redis_key = self.redis_key(tenant_id, key)
         owner = secrets.token_hex(8)
-        body_hash = hashlib.sha256(body).hexdigest()
-        state, value = await self._begin(keys=[redis_key],
-                                         args=[body_hash, owner, self._inflight_ttl_s])
+        body_hash = fingerprint(body)
+        state, value = await self._begin(
+            keys=[redis_key], args=[body_hash, owner, self._inflight_ttl_s]
+        )
         if state == b"fresh":
             return Claim(redis_key=redis_key, owner=owner, is_retry=value == b"1")
         if state == b"mismatch":
             raise Unprocessable(
                 "This Idempotency-Key was already used with a different request body.",
-                param="Idempotency-Key", code="idempotency_key_reused")
+                param="Idempotency-Key",
+                code="idempotency_key_reused",
+            )
         if state == b"inflight":
             raise Conflict(
                 "A request with this Idempotency-Key is still in progress; retry later.",
-                param="Idempotency-Key", code="idempotency_key_in_use")
+                param="Idempotency-Key",
+                code="idempotency_key_in_use",
+            )
         return Replay(kind=value[:1], body=zlib.decompress(value[1:]))
 
     async def complete(self, claim: Claim, kind: bytes, body: bytes) -> None:
         stored = kind + zlib.compress(body, 1)
-        await self._finish(keys=[claim.redis_key],
-                           args=[claim.owner, "done", stored, self._ttl_s])
+        await self._finish(keys=[claim.redis_key], args=[claim.owner, "done", stored, self._ttl_s])
 
     async def abandon(self, claim: Claim) -> None:
         await self._finish(keys=[claim.redis_key], args=[claim.owner, "failed", "", self._ttl_s])

@@ -27,51 +27,92 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "fairway_gateway_requests", "Chat requests by tenant, model and final status.",
-            ["tenant", "model", "status"], registry=r)
+            "fairway_gateway_requests",
+            "Chat requests by tenant, model and final status.",
+            ["tenant", "model", "status"],
+            registry=r,
+        )
         self.rejections = Counter(
-            "fairway_gateway_rejections", "Requests refused before reaching a replica.",
-            ["status", "code"], registry=r)
+            "fairway_gateway_rejections",
+            "Requests refused before reaching a replica.",
+            ["status", "code"],
+            registry=r,
+        )
         self.ttft = Histogram(
-            "fairway_gateway_ttft_seconds", "Time to first token seen by the client.",
-            ["model", "admission_class"], buckets=TTFT_BUCKETS, registry=r)
+            "fairway_gateway_ttft_seconds",
+            "Time to first token seen by the client.",
+            ["model", "admission_class"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.tpot = Histogram(
-            "fairway_gateway_tpot_seconds", "Mean time per output token of a request.",
-            ["model", "admission_class"], buckets=TPOT_BUCKETS, registry=r)
+            "fairway_gateway_tpot_seconds",
+            "Mean time per output token of a request.",
+            ["model", "admission_class"],
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
         self.preflight = Histogram(
             "fairway_gateway_preflight_seconds",
             "Gateway time before the upstream request is sent (auth, validation, admission).",
-            buckets=OVERHEAD_BUCKETS, registry=r)
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        )
         self.upstream_errors = Counter(
-            "fairway_gateway_upstream_errors", "Failures talking to replicas.",
-            ["replica", "kind"], registry=r)
+            "fairway_gateway_upstream_errors",
+            "Failures talking to replicas.",
+            ["replica", "kind"],
+            registry=r,
+        )
         self.finished = Counter(
-            "fairway_gateway_finished", "Admitted requests by finish reason.",
-            ["model", "finish_reason"], registry=r)
+            "fairway_gateway_finished",
+            "Admitted requests by finish reason.",
+            ["model", "finish_reason"],
+            registry=r,
+        )
         self.inflight = Gauge(
-            "fairway_gateway_inflight_requests", "Requests currently relayed.",
-            registry=r, multiprocess_mode="livesum")
+            "fairway_gateway_inflight_requests",
+            "Requests currently relayed.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.spool_depth = Gauge(
             "fairway_gateway_usage_spool_depth",
             "Usage events written locally, not yet acknowledged by Kafka.",
-            registry=r, multiprocess_mode="livesum")
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.usage_events = Counter(
-            "fairway_gateway_usage_events", "Usage events by delivery step.",
-            ["step"], registry=r)
+            "fairway_gateway_usage_events", "Usage events by delivery step.", ["step"], registry=r
+        )
         self.auth_cache = Counter(
-            "fairway_gateway_readmodel_cache", "Read-model lookups by cache result.",
-            ["kind", "result"], registry=r)
+            "fairway_gateway_readmodel_cache",
+            "Read-model lookups by cache result.",
+            ["kind", "result"],
+            registry=r,
+        )
         self.readmodel_invalidations = Counter(
-            "fairway_gateway_readmodel_invalidations", "Cache entries dropped by change kind.",
-            ["kind"], registry=r)
+            "fairway_gateway_readmodel_invalidations",
+            "Cache entries dropped by change kind.",
+            ["kind"],
+            registry=r,
+        )
         self.replica_healthy = Gauge(
-            "fairway_gateway_replica_healthy", "1 when the replica is in the routing set.",
-            ["replica"], registry=r, multiprocess_mode="livemax")
+            "fairway_gateway_replica_healthy",
+            "1 when the replica is in the routing set.",
+            ["replica"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.scrape_failures = Counter(
-            "fairway_gateway_replica_scrape_failures", "Failed /metrics scrapes of replicas.",
-            ["replica"], registry=r)
+            "fairway_gateway_replica_scrape_failures",
+            "Failed /metrics scrapes of replicas.",
+            ["replica"],
+            registry=r,
+        )
         self.idempotency = Counter(
-            "fairway_gateway_idempotency", "Idempotency-Key outcomes.", ["result"], registry=r)
+            "fairway_gateway_idempotency", "Idempotency-Key outcomes.", ["result"], registry=r
+        )
 
     def render(self) -> bytes:
         if self.multiprocess:

@@ -80,8 +80,10 @@ class ReadModel:
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         await self.reload_catalog()
-        self._tasks = [asyncio.create_task(self._listen(), name="readmodel-listen"),
-                       asyncio.create_task(self._poll_version(), name="readmodel-poll")]
+        self._tasks = [
+            asyncio.create_task(self._listen(), name="readmodel-listen"),
+            asyncio.create_task(self._poll_version(), name="readmodel-poll"),
+        ]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -100,20 +102,37 @@ class ReadModel:
         return self._subscribed
 
     @property
+    def version(self) -> int:
+        """The newest read-model version this process has seen (-1 before the first)."""
+        return self._version
+
+    @property
     def catalog(self) -> schema.Catalog:
         return self._catalog
 
     # -- lookups -----------------------------------------------------------------------
     async def key(self, key_hash: str) -> schema.KeyRecord | None:
-        return await self._lookup(self._keys, "key", key_hash, schema.key_redis_key(key_hash),
-                                  schema.load_key)
+        return await self._lookup(
+            self._keys, "key", key_hash, schema.key_redis_key(key_hash), schema.load_key
+        )
 
     async def tenant(self, tenant_id: str) -> schema.TenantRecord | None:
-        return await self._lookup(self._tenants, "tenant", tenant_id,
-                                  schema.tenant_redis_key(tenant_id), schema.load_tenant)
+        return await self._lookup(
+            self._tenants,
+            "tenant",
+            tenant_id,
+            schema.tenant_redis_key(tenant_id),
+            schema.load_tenant,
+        )
 
-    async def _lookup(self, cache: _Cache[T], kind: str, ident: str, redis_key: str,
-                      load: Callable[[bytes | str], T]) -> T | None:
+    async def _lookup(
+        self,
+        cache: _Cache[T],
+        kind: str,
+        ident: str,
+        redis_key: str,
+        load: Callable[[bytes | str], T],
+    ) -> T | None:
         now = time.monotonic()
         hit, value = cache.get(ident, now)
         if hit:
@@ -186,8 +205,7 @@ class ReadModel:
                 await self.reload_catalog()
                 backoff = 0.05
                 while True:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True,
-                                                       timeout=1.0)
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if message is not None:
                         await self._on_message(message)
             except asyncio.CancelledError:
@@ -224,8 +242,11 @@ class ReadModel:
             version = int(raw) if raw is not None else 0
             if version != self._version:
                 if self._version >= 0:
-                    log.info("read model moved %s -> %s unannounced; dropping caches",
-                             self._version, version)
+                    log.info(
+                        "read model moved %s -> %s unannounced; dropping caches",
+                        self._version,
+                        version,
+                    )
                     self.invalidate_all()
                     with contextlib.suppress(Exception):
                         await self.reload_catalog()

@@ -39,9 +39,12 @@ async def sse_data(response: httpx.Response) -> AsyncIterator[list[bytes]]:
         if b"\r\n" in buffer:
             buffer = buffer.replace(b"\r\n", b"\n")
         *events, buffer = buffer.split(b"\n\n")
-        batch = [line[6:] if line[5:6] == b" " else line[5:]
-                 for event in events for line in event.split(b"\n")
-                 if line.startswith(b"data:")]
+        batch = [
+            line[6:] if line[5:6] == b" " else line[5:]
+            for event in events
+            for line in event.split(b"\n")
+            if line.startswith(b"data:")
+        ]
         if batch:
             yield batch
     if buffer.strip():
@@ -165,12 +168,14 @@ class StreamTracker:
             "object": "chat.completion",
             "created": self.created if self.created is not None else int(time.time()),
             "model": self.model or request_model,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(self.parts)},
-                "logprobs": None,
-                "finish_reason": self.finish_reason or "stop",
-            }],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(self.parts)},
+                    "logprobs": None,
+                    "finish_reason": self.finish_reason or "stop",
+                }
+            ],
             "usage": usage,
             "system_fingerprint": self.system_fingerprint,
         }

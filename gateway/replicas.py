@@ -67,7 +67,7 @@ def parse_metrics(text: str) -> Scrape:
             at = line.find('le="', brace)
             if at < 0:
                 continue
-            le = float(line[at + 4:line.find('"', at + 4)])
+            le = float(line[at + 4 : line.find('"', at + 4)])
             buckets[le] = buckets.get(le, 0.0) + value
         elif name == KV_USAGE:
             kv.append(value)
@@ -76,13 +76,18 @@ def parse_metrics(text: str) -> Scrape:
         else:
             waiting += value
     bounds = tuple(sorted(buckets))
-    return Scrape(kv_usage=sum(kv) / len(kv) if kv else 0.0, running=int(running),
-                  waiting=int(waiting), itl_bounds=bounds,
-                  itl_counts=tuple(buckets[b] for b in bounds))
+    return Scrape(
+        kv_usage=sum(kv) / len(kv) if kv else 0.0,
+        running=int(running),
+        waiting=int(waiting),
+        itl_bounds=bounds,
+        itl_counts=tuple(buckets[b] for b in bounds),
+    )
 
 
-def histogram_quantile(q: float, bounds: tuple[float, ...],
-                       counts: Iterable[float]) -> float | None:
+def histogram_quantile(
+    q: float, bounds: tuple[float, ...], counts: Iterable[float]
+) -> float | None:
     """Prometheus' histogram_quantile over cumulative bucket counts (linear in a bucket)."""
     cum = list(counts)
     if not cum or cum[-1] <= 0:
@@ -119,13 +124,18 @@ class ReplicaState:
 
 
 class ReplicaRegistry:
-    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics,
-                 client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        metrics: GatewayMetrics,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
         self._config = config
         self._metrics = metrics
         self._client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(config.scrape_timeout_s),
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+        )
         self._owns_client = client is None
         self._states: dict[str, ReplicaState] = {}
         self._by_version: dict[str, list[ReplicaState]] = {}
@@ -245,10 +255,12 @@ class ReplicaRegistry:
             state.failures += 1
             self._metrics.scrape_failures.labels(rid).inc()
             refused = isinstance(exc, httpx.ConnectError | httpx.RemoteProtocolError)
-            if state.healthy and (refused or
-                                  state.failures >= self._config.scrape_failures_unhealthy):
-                log.warning("replica %s unhealthy after %d failed scrapes: %r",
-                            rid, state.failures, exc)
+            if state.healthy and (
+                refused or state.failures >= self._config.scrape_failures_unhealthy
+            ):
+                log.warning(
+                    "replica %s unhealthy after %d failed scrapes: %r", rid, state.failures, exc
+                )
                 state.healthy = False
                 self._metrics.replica_healthy.labels(rid).set(0)
             return

@@ -47,22 +47,34 @@ class Gateway:
         self.config = config
         self.metrics = GatewayMetrics()
         self.redis: Redis = Redis.from_url(
-            config.redis_url, socket_timeout=config.redis_timeout_s,
-            socket_connect_timeout=config.redis_timeout_s, health_check_interval=10)
+            config.redis_url,
+            socket_timeout=config.redis_timeout_s,
+            socket_connect_timeout=config.redis_timeout_s,
+            health_check_interval=10,
+        )
         self.readmodel = ReadModel(self.redis, config, self.metrics)
         self.last_used = LastUsedRecorder(self.redis, config.last_used_flush_s)
         self.auth = Authenticator(self.readmodel, config.key_pepper, self.last_used)
         self.registry = ReplicaRegistry(config, self.metrics)
         self.router = Router(self.registry)
-        self.admission = AdmissionController(redis=self.redis, registry=self.registry,
-                                             router=self.router, config=config,
-                                             metrics=self.metrics)
+        self.admission = AdmissionController(
+            redis=self.redis,
+            registry=self.registry,
+            router=self.router,
+            config=config,
+            metrics=self.metrics,
+        )
         self.upstream = UpstreamClient(config)
-        self.idempotency = IdempotencyStore(self.redis, config.idempotency_ttl_s,
-                                            config.idempotency_inflight_ttl_s)
-        self.usage = UsageProducer(spool_dir=config.spool_dir, bootstrap=config.kafka_bootstrap,
-                                   topic=config.usage_topic, metrics=self.metrics,
-                                   instance_id=config.instance_id)
+        self.idempotency = IdempotencyStore(
+            self.redis, config.idempotency_ttl_s, config.idempotency_inflight_ttl_s
+        )
+        self.usage = UsageProducer(
+            spool_dir=config.spool_dir,
+            bootstrap=config.kafka_bootstrap,
+            topic=config.usage_topic,
+            metrics=self.metrics,
+            instance_id=config.instance_id,
+        )
         self.draining = False
         self.started = False
         self._background: set[asyncio.Task[Any]] = set()
@@ -89,10 +101,12 @@ class Gateway:
         await self.last_used.start()
         await self.admission.start()
         self.started = True
-        log.info("gateway %s ready: %d model versions, %d healthy replicas",
-                 self.config.instance_id, len(self.readmodel.catalog.versions),
-                 sum(1 for v in self.readmodel.catalog.versions
-                     for _ in self.registry.healthy(v)))
+        log.info(
+            "gateway %s ready: %d model versions, %d healthy replicas",
+            self.config.instance_id,
+            len(self.readmodel.catalog.versions),
+            sum(1 for v in self.readmodel.catalog.versions for _ in self.registry.healthy(v)),
+        )
 
     async def shutdown(self) -> None:
         self.draining = True
@@ -126,11 +140,15 @@ class _Uvicorn(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         self._gateway.draining = True
         super().handle_exit(sig, frame)
+        # uvicorn re-raises the signal after shutting down (dying by it); a completed
+        # drain is a clean exit, so report 0 instead.
+        self._captured_signals.clear()
 
 
 class GatewayServer:
-    def __init__(self, config: GatewayConfig, *, log_level: str = "info",
-                 access_log: bool = False) -> None:
+    def __init__(
+        self, config: GatewayConfig, *, log_level: str = "info", access_log: bool = False
+    ) -> None:
         from gateway.app import GatewayApp
 
         self.config = config
@@ -142,13 +160,21 @@ class GatewayServer:
 
     def uvicorn_config(self, **kwargs: Any) -> uvicorn.Config:
         return uvicorn.Config(
-            self.app, loop="uvloop", http="httptools", lifespan="on",
-            log_level=self._log_level, access_log=self._access_log,
+            self.app,
+            loop="uvloop",
+            http="httptools",
+            lifespan="on",
+            log_level=self._log_level,
+            access_log=self._access_log,
             timeout_graceful_shutdown=int(self.config.drain_deadline_s) or 1,
-            timeout_keep_alive=30, server_header=False, **kwargs)
+            timeout_keep_alive=30,
+            server_header=False,
+            **kwargs,
+        )
 
-    async def serve(self, *, sock: socket.socket | None = None, host: str = "127.0.0.1",
-                    port: int = 8080) -> None:
+    async def serve(
+        self, *, sock: socket.socket | None = None, host: str = "127.0.0.1", port: int = 8080
+    ) -> None:
         if sock is not None:
             config = self.uvicorn_config()
             self._server = _Uvicorn(config, self.gateway)
@@ -158,8 +184,9 @@ class GatewayServer:
             self._server = _Uvicorn(config, self.gateway)
             await self._server.serve()
 
-    def run(self, sock: socket.socket | None = None, host: str = "127.0.0.1",
-            port: int = 8080) -> None:
+    def run(
+        self, sock: socket.socket | None = None, host: str = "127.0.0.1", port: int = 8080
+    ) -> None:
         import uvloop
 
         uvloop.run(self.serve(sock=sock, host=host, port=port))

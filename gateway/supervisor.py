@@ -41,15 +41,24 @@ def worker_main(sock: socket.socket, log_level: str, access_log: bool) -> None:
     from gateway.config import GatewayConfig
     from gateway.server import GatewayServer
 
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
+    )
     server = GatewayServer(GatewayConfig.from_env(), log_level=log_level, access_log=access_log)
     server.run(sock=sock)
 
 
 class Supervisor:
-    def __init__(self, *, host: str, port: int, workers: int, drain_deadline_s: float,
-                 log_level: str = "info", access_log: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        workers: int,
+        drain_deadline_s: float,
+        log_level: str = "info",
+        access_log: bool = False,
+    ) -> None:
         self.host, self.port, self.workers = host, port, workers
         self.drain_deadline_s = drain_deadline_s
         self.log_level, self.access_log = log_level, access_log
@@ -59,8 +68,9 @@ class Supervisor:
         self._prom_dir: Path | None = None
 
     def _spawn(self, sock: socket.socket) -> BaseProcess:
-        proc = self._ctx.Process(target=worker_main, name="gateway-worker",
-                                 args=(sock, self.log_level, self.access_log))
+        proc = self._ctx.Process(
+            target=worker_main, name="gateway-worker", args=(sock, self.log_level, self.access_log)
+        )
         proc.start()
         log.info("started worker pid=%s", proc.pid)
         return proc
@@ -75,8 +85,7 @@ class Supervisor:
         sock = bind_socket(self.host, self.port)
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        log.info("gateway listening on %s:%s with %d workers", self.host, self.port,
-                 self.workers)
+        log.info("gateway listening on %s:%s with %d workers", self.host, self.port, self.workers)
         code = 0
         try:
             self._procs = [self._spawn(sock) for _ in range(self.workers)]
@@ -91,12 +100,13 @@ class Supervisor:
                         self._stopping = True
                         code = STARTUP_FAILURE
                         break
-                    log.warning("worker pid=%s died (exit %s); restarting", proc.pid,
-                                proc.exitcode)
+                    log.warning("worker pid=%s died (exit %s); restarting", proc.pid, proc.exitcode)
                     self._procs[i] = self._spawn(sock)
         finally:
-            self._stop_all()
+            # Our copy of the listener goes first: once the workers close theirs, new
+            # connections are refused instead of queueing where nobody accepts them.
             sock.close()
+            self._stop_all()
             if self._prom_dir is not None:
                 shutil.rmtree(self._prom_dir, ignore_errors=True)
         return code

@@ -38,10 +38,13 @@ class UpstreamClient:
         limits = config.pool
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=t.connect, read=t.read, write=t.write, pool=t.pool),
-            limits=httpx.Limits(max_connections=limits.max_connections,
-                                max_keepalive_connections=limits.max_keepalive,
-                                keepalive_expiry=limits.keepalive_expiry_s),
-            trust_env=False)
+            limits=httpx.Limits(
+                max_connections=limits.max_connections,
+                max_keepalive_connections=limits.max_keepalive,
+                keepalive_expiry=limits.keepalive_expiry_s,
+            ),
+            trust_env=False,
+        )
         self._salt_key = config.cache_salt_key
         self._salts: dict[str, str] = {}
 
@@ -58,8 +61,15 @@ class UpstreamClient:
             self._salts[tenant_id] = salt
         return salt
 
-    def build_body(self, req: ChatRequest, version: schema.ModelVersionRecord, *,
-                   max_tokens: int, priority: int, tenant_id: str) -> bytes:
+    def build_body(
+        self,
+        req: ChatRequest,
+        version: schema.ModelVersionRecord,
+        *,
+        max_tokens: int,
+        priority: int,
+        tenant_id: str,
+    ) -> bytes:
         body: dict[str, Any] = {
             "model": version.version,
             "messages": req.messages,
@@ -72,8 +82,9 @@ class UpstreamClient:
         body.update(req.sampling)
         return orjson.dumps(body)
 
-    async def open(self, replica: schema.ReplicaRecord, body: bytes,
-                   request_id: str) -> httpx.Response:
+    async def open(
+        self, replica: schema.ReplicaRecord, body: bytes, request_id: str
+    ) -> httpx.Response:
         """Send the request; return the streaming response once its status is 200.
 
         Raises ``UpstreamStatusError`` for any other status, or httpx's transport errors.
@@ -81,9 +92,15 @@ class UpstreamClient:
         which is how the replica learns that the client went away.
         """
         request = self._client.build_request(
-            "POST", replica.base_url.rstrip("/") + "/v1/chat/completions", content=body,
-            headers={"content-type": "application/json", "x-request-id": request_id,
-                     "accept": "text/event-stream"})
+            "POST",
+            replica.base_url.rstrip("/") + "/v1/chat/completions",
+            content=body,
+            headers={
+                "content-type": "application/json",
+                "x-request-id": request_id,
+                "accept": "text/event-stream",
+            },
+        )
         response = await self._client.send(request, stream=True)
         if response.status_code == 200:
             return response

@@ -1,14 +1,15 @@
 """Usage events: one per admitted request, to Kafka ``usage.v1``, through a durable spool.
 
 The request path only calls ``UsageProducer.emit`` — a non-blocking put onto a queue, so
-it cannot be lost to cancellation once called. A background thread does the rest as a
+it cannot be lost to cancellation once called. Two background threads do the rest as a
 write-ahead log (the outbox pattern of §5 decision 5):
 
-1. take what is queued, append it to this process's spool file, ``fsync`` (one fsync per
-   batch, not per event);
-2. send everything past the spool's committed offset to Kafka, in order, keyed by tenant;
-3. after the broker acknowledges, advance the committed offset; once the whole file is
-   acknowledged, truncate it.
+1. the writer appends what is queued to this process's spool file and ``fsync``s it (one
+   fsync per batch, not per event), whatever the broker is doing;
+2. the sender sends everything past the spool's committed offset to Kafka, in order, keyed
+   by tenant;
+3. after the broker acknowledges, it advances the committed offset; once the whole file is
+   acknowledged, the file is truncated.
 
 A broker outage therefore just grows the spool; the thread retries with backoff and drains
 it in order when the broker returns. A gateway that stops (or dies) leaves its spool file
@@ -206,7 +207,7 @@ class KafkaSink:
     copy that is retried is the spool's (no second in-producer retry racing it).
     """
 
-    def __init__(self, bootstrap: str, topic: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, bootstrap: str, topic: str, timeout_s: float = 2.0) -> None:
         self._bootstrap = bootstrap
         self._topic = topic
         self._timeout_s = timeout_s
@@ -219,10 +220,17 @@ class KafkaSink:
         if self._producer is None:
             ms = int(self._timeout_s * 1000)
             self._producer = KafkaProducer(
-                bootstrap_servers=self._bootstrap, client_id="fairway-gateway",
-                acks="all", linger_ms=2, max_block_ms=ms, request_timeout_ms=ms,
-                delivery_timeout_ms=2 * ms, bootstrap_timeout_ms=ms,
-                max_in_flight_requests_per_connection=1, reconnect_backoff_max_ms=1000)
+                bootstrap_servers=self._bootstrap,
+                client_id="fairway-gateway",
+                acks="all",
+                linger_ms=2,
+                max_block_ms=ms,
+                request_timeout_ms=ms,
+                delivery_timeout_ms=2 * ms,
+                bootstrap_timeout_ms=ms,
+                max_in_flight_requests_per_connection=1,
+                reconnect_backoff_max_ms=1000,
+            )
         futures = []
         acked = 0
         try:
@@ -251,29 +259,45 @@ class KafkaSink:
 
 
 class UsageProducer:
-    def __init__(self, *, spool_dir: Path, bootstrap: str | None, topic: str,
-                 metrics: GatewayMetrics, instance_id: str | None = None) -> None:
+    """Two threads: the writer makes events durable promptly (queue → spool, fsync) whatever
+    the broker is doing; the sender drains spools to Kafka and may block on a dead broker
+    without holding up the writer."""
+
+    def __init__(
+        self,
+        *,
+        spool_dir: Path,
+        bootstrap: str | None,
+        topic: str,
+        metrics: GatewayMetrics,
+        instance_id: str | None = None,
+        kafka_timeout_s: float = 2.0,
+    ) -> None:
         self._dir = spool_dir
         self._bootstrap = bootstrap
         self._topic = topic
         self._metrics = metrics
         self._name = f"usage-{instance_id or uuid.uuid4().hex}"
+        self._kafka_timeout_s = kafka_timeout_s
         self._queue: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._spool: Spool | None = None
         self._orphans: list[Spool] = []
         self._sink: KafkaSink | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # spool writes: the thread, or emit() after stop
+        self._writer_done = threading.Event()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # guards spool files: writer appends, sender commits
         self._closed = False
         self._retry_at = 0.0
         self._backoff = 0.1
+        self._last_failed = False
         self._next_scan = 0.0
         self._stop_deadline = 0.0
 
     # -- request path ------------------------------------------------------------------
     def emit(self, event: UsageEvent) -> None:
-        """Hand one event over; never blocks, never raises into the request path."""
+        """Hand one event over; never blocks on I/O, never raises into the request path."""
         record = event.to_json()
         self._metrics.usage_events.labels("emitted").inc()
         if not self._closed:
@@ -290,22 +314,29 @@ class UsageProducer:
     def start(self) -> None:
         self._spool = Spool.create(self._dir, self._name)
         if self._bootstrap:
-            self._sink = KafkaSink(self._bootstrap, self._topic)
+            self._sink = KafkaSink(self._bootstrap, self._topic, self._kafka_timeout_s)
         else:
-            log.warning("KAFKA_BOOTSTRAP not set: usage events stay in the spool %s",
-                        self._spool.path)
-        self._thread = threading.Thread(target=self._run, name="usage-producer", daemon=True)
-        self._thread.start()
+            log.warning(
+                "KAFKA_BOOTSTRAP not set: usage events stay in the spool %s", self._spool.path
+            )
+        self._threads = [
+            threading.Thread(target=self._write_loop, name="usage-writer", daemon=True),
+            threading.Thread(target=self._send_loop, name="usage-sender", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Spool what is queued, try to deliver it for up to ``timeout_s``, then stop.
 
-        Whatever is undelivered stays in the spool for the next start.
+        A broker that has just failed is not waited for: undelivered events stay in the
+        spool for the next start (or another live gateway) to send.
         """
         self._stop_deadline = time.monotonic() + timeout_s
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s + 5.0)
+        self._wake.set()
+        for thread in self._threads:
+            thread.join(timeout_s + 2 * self._kafka_timeout_s + 1.0)
         with self._lock:
             self._closed = True
             self._absorb_queue()
@@ -330,39 +361,57 @@ class UsageProducer:
         own = self._spool.depth if self._spool is not None else 0
         return own + sum(o.depth for o in self._orphans) + self._queue.qsize()
 
-    # -- background thread -------------------------------------------------------------
-    def _absorb_queue(self) -> int:
-        batch: list[bytes] = []
+    # -- writer thread -----------------------------------------------------------------
+    def _absorb_queue(self, first: bytes | None = None) -> int:
+        batch: list[bytes] = [] if first is None else [first]
         with contextlib.suppress(queue.Empty):
-            while True:
+            while len(batch) < 10 * _BATCH_MAX:
                 batch.append(self._queue.get_nowait())
         if batch and self._spool is not None:
             self._spool.append(batch)
         return len(batch)
 
-    def _run(self) -> None:
+    def _write_loop(self) -> None:
         while True:
             stopping = self._stop.is_set()
             try:
-                first = self._queue.get(timeout=0.05)
+                first: bytes | None = self._queue.get(timeout=0.05)
             except queue.Empty:
                 first = None
             try:
                 with self._lock:
-                    if first is not None and self._spool is not None:
-                        self._spool.append([first])
-                    self._absorb_queue()
-                self._scan_orphans()
-                delivered = self._deliver()
-            except Exception:  # noqa: BLE001 - keep the thread alive whatever happens
-                log.exception("usage spool step failed")
-                delivered = False
-            self._metrics.spool_depth.set(self.depth)
-            if stopping and (self.depth == 0 or self._sink is None
-                             or time.monotonic() >= self._stop_deadline):
+                    written = self._absorb_queue(first)
+                if written:
+                    self._wake.set()
+                    self._metrics.spool_depth.set(self.depth)
+            except Exception:  # noqa: BLE001 - keep the writer alive whatever happens
+                log.exception("usage spool write failed")
+                time.sleep(0.1)
+            if stopping and self._queue.empty():
+                self._writer_done.set()
+                self._wake.set()
                 return
-            if not delivered and stopping:
-                time.sleep(0.05)
+
+    # -- sender thread -----------------------------------------------------------------
+    def _send_loop(self) -> None:
+        while True:
+            self._wake.wait(0.1)
+            self._wake.clear()
+            stopping = self._writer_done.is_set()
+            try:
+                self._scan_orphans()
+                self._deliver()
+            except Exception:  # noqa: BLE001 - keep the sender alive whatever happens
+                log.exception("usage delivery step failed")
+                self._last_failed = True
+            self._metrics.spool_depth.set(self.depth)
+            if stopping and (
+                self.depth == 0
+                or self._sink is None
+                or self._last_failed
+                or time.monotonic() >= self._stop_deadline
+            ):
+                return
 
     def _scan_orphans(self) -> None:
         now = time.monotonic()
@@ -380,24 +429,26 @@ class UsageProducer:
                 log.info("adopted spool %s with %d undelivered events", path, orphan.depth)
                 self._orphans.append(orphan)
 
-    def _deliver(self) -> bool:
-        """Send pending records, orphans first; False when something is left over."""
-        if self._sink is None:
-            return False
-        if time.monotonic() < self._retry_at:
-            return False
+    def _deliver(self) -> None:
+        """Send pending records, orphans first (they are older)."""
+        if self._sink is None or time.monotonic() < self._retry_at:
+            return
         for orphan in list(self._orphans):
             if not self._drain(orphan):
-                return False
-            orphan.remove()
+                return
+            with self._lock:
+                orphan.remove()
             self._orphans.remove(orphan)
-        return self._spool is None or self._drain(self._spool)
+        if self._spool is not None:
+            self._drain(self._spool)
 
     def _drain(self, spool: Spool) -> bool:
         assert self._sink is not None
-        while spool.depth > 0:
-            pending = spool.pending(_BATCH_MAX)
+        while True:
+            with self._lock:
+                pending = spool.pending(_BATCH_MAX)
             if not pending:
+                self._last_failed = False
                 return True
             acked = self._sink.send_batch([record for _, record in pending])
             if acked:
@@ -405,8 +456,8 @@ class UsageProducer:
                     spool.commit(pending[acked - 1][0], acked)
                 self._metrics.usage_events.labels("delivered").inc(acked)
             if acked < len(pending):
+                self._last_failed = True
                 self._retry_at = time.monotonic() + self._backoff
                 self._backoff = min(self._backoff * 2, 2.0)
                 return False
             self._backoff = 0.1
-        return True

@@ -37,9 +37,27 @@ FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "presence_penalty": (-2.0, 2.0),
     "frequency_penalty": (-2.0, 2.0),
 }
-KNOWN = frozenset({"model", "messages", "stream", "stream_options", "n", "max_tokens",
-                   "max_completion_tokens", "seed", "stop", "ignore_eos", "logprobs",
-                   "top_logprobs", "response_format"}) | IGNORED | FLOAT_RANGES.keys()
+KNOWN = (
+    frozenset(
+        {
+            "model",
+            "messages",
+            "stream",
+            "stream_options",
+            "n",
+            "max_tokens",
+            "max_completion_tokens",
+            "seed",
+            "stop",
+            "ignore_eos",
+            "logprobs",
+            "top_logprobs",
+            "response_format",
+        }
+    )
+    | IGNORED
+    | FLOAT_RANGES.keys()
+)
 
 
 @dataclass(slots=True)
@@ -78,8 +96,9 @@ def parse_chat(body: bytes) -> ChatRequest:
 
     for name in data:
         if name not in KNOWN:
-            raise _bad(f"Unrecognized request argument supplied: {name}", name[:64],
-                       "unknown_parameter")
+            raise _bad(
+                f"Unrecognized request argument supplied: {name}", name[:64], "unknown_parameter"
+            )
 
     model = data.get("model")
     if model is None:
@@ -98,17 +117,23 @@ def parse_chat(body: bytes) -> ChatRequest:
     options = data.get("stream_options")
     if options is not None:
         if not req.stream:
-            raise _bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
-                       "stream_options", "invalid_value")
+            raise _bad(
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                "stream_options",
+                "invalid_value",
+            )
         if not isinstance(options, dict):
             raise _bad("'stream_options' must be an object.", "stream_options")
         for name, value in options.items():
             if name != "include_usage":
-                raise _bad(f"Unrecognized stream option: {name}", "stream_options",
-                           "unknown_parameter")
+                raise _bad(
+                    f"Unrecognized stream option: {name}", "stream_options", "unknown_parameter"
+                )
             if value is not None and type(value) is not bool:
-                raise _bad("'stream_options.include_usage' must be a boolean.",
-                           "stream_options.include_usage")
+                raise _bad(
+                    "'stream_options.include_usage' must be a boolean.",
+                    "stream_options.include_usage",
+                )
             req.include_usage = bool(value)
 
     n = data.get("n")
@@ -127,8 +152,7 @@ def parse_chat(body: bytes) -> ChatRequest:
         if not _is_int(value):
             raise _bad(f"'{param}' must be an integer.", param)
         if value < 1:
-            raise _bad(f"{value} is less than the minimum of 1 - '{param}'", param,
-                       "invalid_value")
+            raise _bad(f"{value} is less than the minimum of 1 - '{param}'", param, "invalid_value")
         # max_completion_tokens wins when both are set (as in vLLM and OpenAI).
         if req.max_tokens is None or param == "max_completion_tokens":
             req.max_tokens, req.max_tokens_param = value, param
@@ -152,10 +176,15 @@ def parse_chat(body: bytes) -> ChatRequest:
     stop = data.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
-        if (not isinstance(stops, list) or len(stops) > MAX_STOP
-                or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in stops)):
-            raise _bad(f"'stop' must be a string or a list of at most {MAX_STOP} non-empty "
-                       "strings.", "stop")
+        if (
+            not isinstance(stops, list)
+            or len(stops) > MAX_STOP
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in stops)
+        ):
+            raise _bad(
+                f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings.",
+                "stop",
+            )
         if stops:
             req.sampling["stop"] = stops
 
@@ -173,8 +202,11 @@ def parse_chat(body: bytes) -> ChatRequest:
 
     response_format = data.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
-        raise _bad("Only response_format {'type': 'text'} is supported.", "response_format",
-                   "unsupported_value")
+        raise _bad(
+            "Only response_format {'type': 'text'} is supported.",
+            "response_format",
+            "unsupported_value",
+        )
 
     user = data.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_LEN):
@@ -184,15 +216,19 @@ def parse_chat(body: bytes) -> ChatRequest:
 
 def _parse_messages(messages: object) -> tuple[list[dict[str, str]], list[str]]:
     if messages is None:
-        raise _bad("Missing required parameter: 'messages'.", "messages",
-                   "missing_required_parameter")
+        raise _bad(
+            "Missing required parameter: 'messages'.", "messages", "missing_required_parameter"
+        )
     if not isinstance(messages, list):
         raise _bad("'messages' must be an array.", "messages")
     if not messages:
         raise _bad("'messages' must contain at least one message.", "messages", "empty_array")
     if len(messages) > MAX_MESSAGES:
-        raise _bad(f"'messages' holds more than {MAX_MESSAGES} messages.", "messages",
-                   "array_above_max_length")
+        raise _bad(
+            f"'messages' holds more than {MAX_MESSAGES} messages.",
+            "messages",
+            "array_above_max_length",
+        )
     out: list[dict[str, str]] = []
     texts: list[str] = []
     for i, message in enumerate(messages):
@@ -201,19 +237,24 @@ def _parse_messages(messages: object) -> tuple[list[dict[str, str]], list[str]]:
             raise _bad(f"'{where}' must be an object.", where)
         role = message.get("role")
         if role is None:
-            raise _bad(f"Missing required parameter: '{where}.role'.", f"{where}.role",
-                       "missing_required_parameter")
+            raise _bad(
+                f"Missing required parameter: '{where}.role'.",
+                f"{where}.role",
+                "missing_required_parameter",
+            )
         if not isinstance(role, str) or role not in ROLES:
-            raise _bad(f"'{where}.role' must be one of {sorted(ROLES)}.", f"{where}.role",
-                       "invalid_value")
+            raise _bad(
+                f"'{where}.role' must be one of {sorted(ROLES)}.", f"{where}.role", "invalid_value"
+            )
         text = _content_text(message.get("content"), role, where)
         # vLLM chat templates know "system"; "developer" is OpenAI's newer name for it.
         normal = {"role": "system" if role == "developer" else role, "content": text}
         name = message.get("name")
         if name is not None:
             if not isinstance(name, str) or not 0 < len(name) <= 64:
-                raise _bad(f"'{where}.name' must be a string of 1 to 64 characters.",
-                           f"{where}.name")
+                raise _bad(
+                    f"'{where}.name' must be a string of 1 to 64 characters.", f"{where}.name"
+                )
             normal["name"] = name
         out.append(normal)
         texts.append(text)
@@ -226,8 +267,11 @@ def _content_text(content: object, role: str, where: str) -> str:
     if content is None:
         if role == "assistant":
             return ""
-        raise _bad(f"Missing required parameter: '{where}.content'.", f"{where}.content",
-                   "missing_required_parameter")
+        raise _bad(
+            f"Missing required parameter: '{where}.content'.",
+            f"{where}.content",
+            "missing_required_parameter",
+        )
     if isinstance(content, list):
         parts: list[str] = []
         for j, part in enumerate(content):
@@ -235,37 +279,51 @@ def _content_text(content: object, role: str, where: str) -> str:
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                 raise _bad(f"'{pwhere}' must be an object with a 'type'.", pwhere)
             if part["type"] != "text":
-                raise _bad(f"Content parts of type '{part['type'][:32]}' are not supported.",
-                           f"{pwhere}.type", "unsupported_value")
+                raise _bad(
+                    f"Content parts of type '{part['type'][:32]}' are not supported.",
+                    f"{pwhere}.type",
+                    "unsupported_value",
+                )
             text = part.get("text")
             if not isinstance(text, str):
                 raise _bad(f"'{pwhere}.text' must be a string.", f"{pwhere}.text")
             parts.append(text)
         return "\n".join(parts)
-    raise _bad(f"'{where}.content' must be a string or an array of text parts.",
-               f"{where}.content")
+    raise _bad(f"'{where}.content' must be a string or an array of text parts.", f"{where}.content")
 
 
-def apply_limits(req: ChatRequest, version: schema.ModelVersionRecord,
-                 limit: schema.LimitRecord, prompt_tokens: int) -> int:
+def apply_limits(
+    req: ChatRequest,
+    version: schema.ModelVersionRecord,
+    limit: schema.LimitRecord,
+    prompt_tokens: int,
+) -> int:
     """Check the request against the tenant's limits; return the effective max_tokens."""
     max_context = min(limit.max_context, version.context_length)
     if prompt_tokens >= max_context:
         raise BadRequest(
             f"This model's maximum context length is {max_context} tokens. However, your "
             f"messages resulted in {prompt_tokens} tokens. Please reduce the length of the "
-            "messages.", param="messages", code="context_length_exceeded")
+            "messages.",
+            param="messages",
+            code="context_length_exceeded",
+        )
     if req.max_tokens is None:
         return min(limit.max_output, max_context - prompt_tokens)
     if req.max_tokens > limit.max_output:
         raise BadRequest(
             f"{req.max_tokens_param} is too large: {req.max_tokens}. This model supports at "
             f"most {limit.max_output} completion tokens for your organization.",
-            param=req.max_tokens_param, code="invalid_value")
+            param=req.max_tokens_param,
+            code="invalid_value",
+        )
     if prompt_tokens + req.max_tokens > max_context:
         raise BadRequest(
             f"This model's maximum context length is {max_context} tokens. However, you "
             f"requested {prompt_tokens + req.max_tokens} tokens ({prompt_tokens} in the "
             f"messages, {req.max_tokens} in the completion). Please reduce the length of the "
-            "messages or completion.", param="messages", code="context_length_exceeded")
+            "messages or completion.",
+            param="messages",
+            code="context_length_exceeded",
+        )
     return req.max_tokens

@@ -1,0 +1,371 @@
+"""Gateway test fixtures: real Redis, real emulated replicas, real gateway processes, real Kafka.
+
+The read model is seeded by writing ``gateway.schema`` records straight into Redis (as the
+control plane does, without Django). Each test that needs a tenant makes its own, so the
+module-scoped gateway and replica can be shared and the usage events of one test are told
+apart by tenant id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import redis
+
+from emulator.testing import SpawnedEmulator, spawn_emulator
+from gateway import schema
+from gateway.config import DEV_KEY_PEPPER
+
+ROOT = Path(__file__).resolve().parents[2]
+FAMILY = "llama-8b"
+VERSION = "llama-8b-2026-05"
+PROFILE = "llama-8b-tp1-h100"
+# Replicas run the model clock this much faster than wall time, so generations are short.
+SPEED = 20.0
+USAGE_TOPIC = "usage.v1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.02, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+# -- read model seeding ---------------------------------------------------------------------
+
+
+@dataclass
+class Tenant:
+    tenant_id: str
+    secret: str
+    key_hash: str
+    key_id: str
+
+
+@dataclass
+class ReadModelSeeder:
+    """Writes read-model records and announces them the way the control plane does:
+    write, bump the version, publish a Change."""
+
+    client: redis.Redis
+    versions: dict[str, schema.ModelVersionRecord] = field(default_factory=dict)
+    families: dict[str, str] = field(default_factory=dict)
+
+    def _announce(self, kind: schema.ChangeKind, ident: str) -> None:
+        version = int(self.client.incr(schema.VERSION_KEY))
+        self.client.publish(
+            schema.CHANGES_CHANNEL,
+            schema.dumps(schema.Change(kind=kind, ident=ident, version=version)),
+        )
+
+    def set_replicas(
+        self,
+        replicas: list[tuple[str, str]],
+        *,
+        version: str = VERSION,
+        family: str = FAMILY,
+        context_length: int = 131_072,
+    ) -> None:
+        self.versions[version] = schema.ModelVersionRecord(
+            version=version,
+            family=family,
+            context_length=context_length,
+            kv_bytes_per_token=128 * 1024,
+            tpot_target_ms=50,
+            kv_capacity_tokens=440_000,
+            replicas=tuple(
+                schema.ReplicaRecord(replica_id=rid, base_url=url, pool="shared")
+                for rid, url in replicas
+            ),
+        )
+        self.families[family] = version
+        catalog = schema.Catalog(families=dict(self.families), versions=dict(self.versions))
+        self.client.set(schema.CATALOG_KEY, schema.dumps(catalog))
+        self._announce("catalog", "")
+
+    def tenant(
+        self,
+        *,
+        max_context: int = 8192,
+        max_output: int = 512,
+        scopes: tuple[str, ...] = ("chat", "models:read"),
+        suspended: bool = False,
+        families: tuple[str, ...] = (FAMILY,),
+        expires_at: int | None = None,
+        admission_class: schema.AdmissionClass = "standard",
+    ) -> Tenant:
+        tenant_id = "t-" + secrets.token_hex(6)
+        secret = schema.API_KEY_PREFIX + secrets.token_urlsafe(32)
+        key_hash = schema.hash_api_key(secret, DEV_KEY_PEPPER.encode())
+        key_id = "k-" + secrets.token_hex(6)
+        limit = schema.LimitRecord(
+            rpm=100_000,
+            tpm=100_000_000,
+            max_context=max_context,
+            max_output=max_output,
+            kv_seconds_cap=1_000_000,
+            reserved_kv=0,
+        )
+        record = schema.TenantRecord(
+            tenant_id=tenant_id,
+            name=tenant_id,
+            plan="standard",
+            admission_class=admission_class,
+            suspended=suspended,
+            limits={f: limit for f in families},
+        )
+        self.client.set(schema.tenant_redis_key(tenant_id), schema.dumps(record))
+        self.client.set(
+            schema.key_redis_key(key_hash),
+            schema.dumps(
+                schema.KeyRecord(
+                    key_id=key_id, tenant_id=tenant_id, scopes=scopes, expires_at=expires_at
+                )
+            ),
+        )
+        self._announce("tenant", tenant_id)
+        self._announce("key", key_hash)
+        return Tenant(tenant_id=tenant_id, secret=secret, key_hash=key_hash, key_id=key_id)
+
+    def revoke(self, tenant: Tenant) -> None:
+        """What the control plane does on revocation: delete, bump the version, publish."""
+        self.client.delete(schema.key_redis_key(tenant.key_hash))
+        self._announce("key", tenant.key_hash)
+
+
+@pytest.fixture(scope="module")
+def rdb(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def seeder(rdb: redis.Redis) -> ReadModelSeeder:
+    return ReadModelSeeder(rdb)
+
+
+# -- replicas -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def replica() -> Iterator[SpawnedEmulator]:
+    with spawn_emulator(PROFILE, VERSION, SPEED) as emu:
+        yield emu
+
+
+def set_faults(emu: SpawnedEmulator, **knobs: Any) -> None:
+    response = httpx.post(emu.base_url + "/_emulator/faults", json=knobs, timeout=5)
+    response.raise_for_status()
+
+
+def replica_healthy(gw: GatewayProcess, replica_id: str) -> bool:
+    text = httpx.get(gw.base_url + "/metrics", timeout=5).text
+    return f'fairway_gateway_replica_healthy{{replica="{replica_id}"}} 1.0' in text
+
+
+def replica_metric(emu: SpawnedEmulator, name: str) -> float:
+    text = httpx.get(emu.base_url + "/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# -- gateway processes ----------------------------------------------------------------------
+
+
+@dataclass
+class GatewayProcess:
+    process: subprocess.Popen[bytes]
+    port: int
+    spool_dir: Path
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(timeout=5)
+
+
+def start_gateway(
+    tmp: Path,
+    redis_url: str,
+    kafka: str | None,
+    *,
+    workers: int = 1,
+    extra_env: dict[str, str] | None = None,
+    spool_dir: Path | None = None,
+    ready_timeout: float = 30.0,
+) -> GatewayProcess:
+    port = free_port()
+    spool = spool_dir or tmp / f"spool-{port}"
+    log_path = tmp / f"gateway-{port}.log"
+    env = dict(os.environ)
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env.update(
+        {
+            "REDIS_URL": redis_url,
+            "GATEWAY_SPOOL_DIR": str(spool),
+            "FAIRWAY_ENV": "development",
+            "PYTHONPATH": str(ROOT),
+            "GATEWAY_DRAIN_DEADLINE_S": "20",
+        }
+    )
+    env.pop("KAFKA_BOOTSTRAP", None)
+    if kafka:
+        env["KAFKA_BOOTSTRAP"] = kafka
+    env.update(extra_env or {})
+    logfile = open(log_path, "ab")  # noqa: SIM115 - owned by the child process
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            str(workers),
+            "--log-level",
+            "info",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=logfile,
+        stderr=subprocess.STDOUT,
+    )
+    logfile.close()
+    gw = GatewayProcess(process=process, port=port, spool_dir=spool, log_path=log_path)
+
+    def ready() -> bool:
+        if process.poll() is not None:
+            raise AssertionError(f"gateway exited with {process.returncode}:\n{gw.log()}")
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(gw.base_url + "/readyz", timeout=1).status_code == 200
+        return False
+
+    try:
+        wait_until(ready, ready_timeout, interval=0.1, what="gateway /readyz")
+    except BaseException:
+        gw.terminate(5)
+        raise
+    return gw
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    tmp_path_factory: pytest.TempPathFactory,
+    redis_url: str,
+    kafka_bootstrap: str,
+    seeder: ReadModelSeeder,
+    replica: SpawnedEmulator,
+) -> Iterator[GatewayProcess]:
+    seeder.set_replicas([("r1", replica.base_url)])
+    gw = start_gateway(tmp_path_factory.mktemp("gw"), redis_url, kafka_bootstrap)
+    yield gw
+    gw.terminate()
+
+
+# -- usage events ---------------------------------------------------------------------------
+
+
+class UsageLog:
+    """Reads ``usage.v1`` from the beginning and indexes events by tenant id."""
+
+    def __init__(self, bootstrap: str) -> None:
+        from kafka import KafkaConsumer, TopicPartition
+        from kafka.admin import KafkaAdminClient, NewTopic
+
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+        with contextlib.suppress(Exception):  # already there
+            admin.create_topics([NewTopic(USAGE_TOPIC, num_partitions=1, replication_factor=1)])
+        admin.close()
+        self.consumer = KafkaConsumer(
+            bootstrap_servers=bootstrap,
+            group_id=None,
+            enable_auto_commit=False,
+            request_timeout_ms=10_000,
+        )
+        partitions = wait_until(
+            lambda: self.consumer.partitions_for_topic(USAGE_TOPIC),
+            10,
+            interval=0.2,
+            what="usage.v1 partitions",
+        )
+        self.consumer.assign([TopicPartition(USAGE_TOPIC, p) for p in partitions])
+        self.consumer.seek_to_beginning()
+        self.by_tenant: dict[str, list[dict[str, Any]]] = {}
+
+    def poll(self) -> None:
+        for records in self.consumer.poll(timeout_ms=200).values():
+            for record in records:
+                event = orjson.loads(record.value)
+                assert record.key == event["tenant_id"].encode()
+                self.by_tenant.setdefault(event["tenant_id"], []).append(event)
+
+    def events(self, tenant_id: str, count: int, timeout: float = 20.0) -> list[dict[str, Any]]:
+        """At least ``count`` events of the tenant (waiting up to ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while len(self.by_tenant.get(tenant_id, [])) < count:
+            if time.monotonic() > deadline:
+                got = len(self.by_tenant.get(tenant_id, []))
+                raise AssertionError(f"{got}/{count} usage events for {tenant_id}")
+            self.poll()
+        return self.by_tenant[tenant_id]
+
+    def settle(self, seconds: float = 1.0) -> None:
+        """Keep reading for a while (to see that nothing more arrives)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.poll()
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+@pytest.fixture(scope="module")
+def usage_log(kafka_bootstrap: str) -> Iterator[UsageLog]:
+    log = UsageLog(kafka_bootstrap)
+    yield log
+    log.close()

@@ -1,0 +1,143 @@
+"""The in-process read model against real Redis: caching, invalidation, resubscription."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from gateway import schema
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.readmodel import ReadModel, _Cache
+from tests.gateway.conftest import ReadModelSeeder
+
+
+@pytest.fixture
+async def readmodel(redis_url: str, rdb: redis.Redis) -> AsyncIterator[tuple[ReadModel, str]]:
+    name = "gw-test-" + secrets.token_hex(4)
+    client = aioredis.Redis.from_url(redis_url, client_name=name, socket_timeout=2)
+    model = ReadModel(client, GatewayConfig(redis_url=redis_url), GatewayMetrics())
+    await model.start()
+    deadline = time.monotonic() + 5
+    while not model.subscribed:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    yield model, name
+    await model.stop()
+    await client.aclose()
+
+
+async def _until(predicate: object, within: float) -> float:
+    start = time.monotonic()
+    while not await predicate():  # type: ignore[operator]
+        assert time.monotonic() - start < within, f"not within {within}s"
+        await asyncio.sleep(0.005)
+    return time.monotonic() - start
+
+
+async def test_revoked_key_refused_within_one_second(
+    readmodel: tuple[ReadModel, str], seeder: ReadModelSeeder
+) -> None:
+    model, _ = readmodel
+    tenant = seeder.tenant()
+    await _caught_up(model, seeder.client)
+    key = await model.key(tenant.key_hash)
+    assert key is not None and key.tenant_id == tenant.tenant_id
+    assert (await model.tenant(tenant.tenant_id)) is not None
+    # Cached: deleting the record without an announcement is not seen...
+    seeder.client.delete(schema.key_redis_key(tenant.key_hash))
+    assert await model.key(tenant.key_hash) == key
+    # ...the control plane's announcement drops it at once.
+    seeder.revoke(tenant)
+    elapsed = await _until(lambda: _is_none(model.key(tenant.key_hash)), 1.0)
+    assert elapsed < 1.0
+
+
+async def _caught_up(model: ReadModel, rdb: redis.Redis) -> None:
+    """Wait until the announcements made so far have reached the model."""
+    target = int(rdb.get(schema.VERSION_KEY) or 0)
+
+    async def seen() -> bool:
+        return model.version >= target
+
+    await _until(seen, 2.0)
+
+
+async def _is_none(coro: object) -> bool:
+    return (await coro) is None  # type: ignore[misc]
+
+
+async def test_catalog_change_reloads_and_tenant_change_drops(
+    readmodel: tuple[ReadModel, str], seeder: ReadModelSeeder
+) -> None:
+    model, _ = readmodel
+    seeder.set_replicas([("a", "http://127.0.0.1:9")], version="fam-x-1", family="fam-x")
+    await _until(lambda: _resolves(model, "fam-x", "fam-x-1"), 1.0)
+    seeder.set_replicas([("a", "http://127.0.0.1:9")], version="fam-x-2", family="fam-x")
+    await _until(lambda: _resolves(model, "fam-x", "fam-x-2"), 1.0)
+    # A pinned version keeps its weights while the alias moves on.
+    assert model.catalog.resolve("fam-x-1") is not None
+    assert model.catalog.resolve("fam-x-1").version == "fam-x-1"  # type: ignore[union-attr]
+
+    tenant = seeder.tenant()
+    await _caught_up(model, seeder.client)
+    record = await model.tenant(tenant.tenant_id)
+    assert record is not None and not record.suspended
+    seeder.client.set(
+        schema.tenant_redis_key(tenant.tenant_id),
+        schema.dumps(
+            schema.TenantRecord(
+                tenant_id=tenant.tenant_id,
+                name="x",
+                plan="standard",
+                admission_class="standard",
+                suspended=True,
+            )
+        ),
+    )
+    seeder._announce("tenant", tenant.tenant_id)
+    await _until(lambda: _suspended(model, tenant.tenant_id), 1.0)
+
+
+async def _resolves(model: ReadModel, alias: str, version: str) -> bool:
+    resolved = model.catalog.resolve(alias)
+    return resolved is not None and resolved.version == version
+
+
+async def _suspended(model: ReadModel, tenant_id: str) -> bool:
+    record = await model.tenant(tenant_id)
+    return record is not None and record.suspended
+
+
+async def test_lost_subscription_drops_cache_on_resubscribe(
+    readmodel: tuple[ReadModel, str], seeder: ReadModelSeeder, rdb: redis.Redis
+) -> None:
+    model, name = readmodel
+    tenant = seeder.tenant()
+    await _caught_up(model, rdb)
+    assert await model.key(tenant.key_hash) is not None
+    # Kill only this test's pub/sub connection (other suites share the Redis server).
+    victims = [
+        c["id"] for c in rdb.client_list() if c.get("name") == name and int(c.get("sub", 0)) > 0
+    ]
+    assert victims
+    for client_id in victims:
+        rdb.client_kill_filter(_id=client_id)
+    # The revocation happens while nobody listens: no message reaches this gateway.
+    rdb.delete(schema.key_redis_key(tenant.key_hash))
+    rdb.incr(schema.VERSION_KEY)
+    await _until(lambda: _is_none(model.key(tenant.key_hash)), 2.5)
+
+
+def test_stale_read_is_not_stored_after_an_invalidation() -> None:
+    cache: _Cache[str] = _Cache()
+    epoch = cache.epoch  # a lookup starts...
+    cache.drop("k")  # ...the key is revoked meanwhile...
+    cache.put("k", "old record", time.monotonic() + 30, epoch)  # ...its read lands late
+    assert cache.get("k", time.monotonic()) == (False, None)
