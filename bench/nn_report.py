@@ -122,8 +122,10 @@ def targets(
                          x.attainment < q.attainment - 0.05)  # fmt: skip
         ok = bool(worse) and all(worse)
         verdicts[f"arm ({arm}) degrades every non-noisy tenant"] = ok
-        lines.append(f"- {_mark(ok)} arm ({arm}): {sum(worse)}/{len(worse)} non-noisy tenants "
-                     "degraded beyond 10 % of quiet p95 (or lost > 5 points of attainment)")  # fmt: skip
+        lines.append(
+            f"- {_mark(ok)} arm ({arm}): {sum(worse)}/{len(worse)} non-noisy tenants degraded "
+            "beyond 10 % of quiet p95 (or lost > 5 points of attainment)"
+        )
     return lines, verdicts
 
 

@@ -178,28 +178,31 @@ def build_workload(tenants: Sequence[TenantSpec], duration_s: float, seed: int) 
 
 # -- prompt text ------------------------------------------------------------------------
 
-# Short lowercase words: each is one token for whitespace/word tokenizers and close to one
-# for BPE ones. A run of them is deterministic in (seed, length), and every prompt starts
-# with its request's own tag so no two requests share a prefix-cache block by accident.
+# Words of at most four bytes: one token each for the emulator's tokenizer (4-byte pieces)
+# and for whitespace tokenizers, close to one for BPE ones. A run of them is deterministic
+# in (seed, length), and every prompt starts with its request's own tag so no two requests
+# share a prefix-cache block by accident.
 _WORDS = (
     "the of and to in is that for it as was with be by on not he this are or his from at "
-    "which but have an they you were her she there been one all we their has would when "
-    "what more if no out so said up its about into than them can only other time new some "
-    "could these two may first then do any like my now over such our man me even most made"
+    "but have an they you were her she been one all we has when what more if no out so "
+    "said up its into than them can only time new some two may then do any like my now "
+    "over such our man me even most made also back well way most much down just how"
 ).split()
+# A chat request costs the template's tokens on top of its content (4 per message + 3 for
+# the generation prompt in the emulator's Llama-3 style template).
+CHAT_TEMPLATE_TOKENS = 7
 
 
 class PromptFactory:
-    """Builds prompt text of a target token count, cached by length.
+    """Builds prompt text whose chat request counts ``spec.prompt_tokens`` tokens.
 
-    ``tokens_per_word`` calibrates the text to the serving tokenizer (the emulator's
-    ``/tokenize`` tells it); the default assumes one token per word.
+    Exact for the emulator's tokenizer; ``tokens_per_word`` calibrates it for another one.
     """
 
     def __init__(self, seed: int = 0, tokens_per_word: float = 1.0) -> None:
         rng = np.random.default_rng(seed)
-        self._vocab = np.array(_WORDS)
-        self._body = " ".join(self._vocab[rng.integers(0, len(_WORDS), size=8192)])
+        vocab = np.array(_WORDS)
+        self._words = [str(w) for w in vocab[rng.integers(0, len(vocab), size=8192)]]
         self._tokens_per_word = tokens_per_word
         self._cache: dict[int, str] = {}
 
@@ -210,18 +213,21 @@ class PromptFactory:
         n = self.words_for(tokens)
         text = self._cache.get(n)
         if text is None:
-            reps = n // 8192 + 1
-            words = (" ".join([self._body] * reps)).split(" ", n)[:n]
-            text = " ".join(words)
+            reps = n // len(self._words) + 1
+            text = " ".join((self._words * reps)[:n])
             if len(self._cache) < 4096:
                 self._cache[n] = text
         return text
 
+    @staticmethod
+    def tag(request_id: str) -> list[str]:
+        """The request id cut into words of at most four bytes (one token each)."""
+        return [request_id[i : i + 4] for i in range(0, len(request_id), 4)]
+
     def prompt(self, spec: RequestSpec) -> str:
-        # The tag costs a few tokens; drop as many words so the total stays on target.
-        tag = f"req {spec.request_id} :"
-        body_tokens = max(1, spec.prompt_tokens - 4)
-        return f"{tag} {self.body(body_tokens)}"
+        tag = self.tag(spec.request_id)
+        body_tokens = max(1, spec.prompt_tokens - CHAT_TEMPLATE_TOKENS - len(tag))
+        return " ".join(tag) + " " + self.body(body_tokens)
 
 
 def offered_rates(tenants: Iterable[TenantSpec]) -> dict[str, float]:
