@@ -1,39 +1,115 @@
-"""Replica choice within a model version's fleet.
+"""Replica choice within a model version's fleet (R5): power of two random choices scored
+by last scraped KV occupancy plus this gateway's optimistic in-flight KV.
 
-FIRST VERSION: uniformly random among healthy replicas the class may enter. Issue 5
-replaces the internals with power-of-two choices scored by scraped occupancy plus this
-gateway's optimistic in-flight KV (R5); ``on_dispatch`` / ``on_finish`` are the hooks that
-bookkeeping needs, already called by ``AdmissionController.admit`` / ``settle``.
+The scrape is ~250 ms stale; in that window a busy gateway makes dozens of decisions, and
+"pick the emptiest" sends all of them to the same replica (C5's herd). Two changes, both
+needed: choose the less loaded of two random eligible replicas, and add to each replica's
+scraped occupancy the KV this router has dispatched to it since that scrape. The in-flight
+record is soft state: an entry counts until a scrape taken after its dispatch (plus a small
+grace for the replica to have scheduled it) or its finish, whichever comes first — so it is
+"reset per replica" by every new scrape and never needs persisting or sharing.
+
+The decisions themselves are the pure functions of ``gateway.policy`` (class ceilings,
+reserved pool, P2C); ``bench/herd.py`` drives this same class in virtual time.
 """
 
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from gateway import schema
-from gateway.replicas import ReplicaRegistry
+from gateway.policy import AdmissionConfig, EffectiveClass, ReplicaView, route
+from gateway.replicas import ReplicaState
+
+
+class ReplicaSource(Protocol):
+    """What the router reads of ``gateway.replicas.ReplicaRegistry`` (and the herd
+    simulation provides in virtual time)."""
+
+    def states(self, version: str) -> Sequence[ReplicaState]: ...
+    def state(self, replica_id: str) -> ReplicaState | None: ...
 
 
 class Router:
-    def __init__(self, registry: ReplicaRegistry, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        registry: ReplicaSource,
+        rng: random.Random | None = None,
+        *,
+        config: AdmissionConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._registry = registry
         self._rng = rng or random.Random()
+        self._cfg = config or AdmissionConfig()
+        self._clock = clock
+        # replica_id -> {request_id: (dispatched_at, kv_bytes)}, in dispatch order
+        self._inflight: dict[str, dict[str, tuple[float, int]]] = {}
+        self._turn = 0
 
-    def choose(self, version: schema.ModelVersionRecord, admission_class: str,
-               est_kv_bytes: int) -> schema.ReplicaRecord | None:
-        """A healthy replica of ``version`` for a request of ``admission_class``, or None.
+    @property
+    def config(self) -> AdmissionConfig:
+        return self._cfg
 
-        Replicas in the ``reserved`` pool take only reserved-class traffic (R2).
-        """
-        candidates = [s.record for s in self._registry.healthy(version.version)
-                      if s.record.pool != "reserved" or admission_class == "reserved"]
-        if not candidates:
+    def optimistic_bytes(self, replica_id: str, scraped_at: float) -> int:
+        """KV dispatched to the replica that its last scrape cannot have seen yet."""
+        entries = self._inflight.get(replica_id)
+        if not entries:
+            return 0
+        cutoff = scraped_at - self._cfg.inflight_grace_s
+        while entries:  # dispatch order: drop the prefix the scrape already accounts for
+            rid, (at, _) = next(iter(entries.items()))
+            if at > cutoff:
+                break
+            del entries[rid]
+        return sum(b for _, b in entries.values())
+
+    def views(self, version: schema.ModelVersionRecord) -> list[ReplicaView]:
+        capacity = version.kv_capacity_tokens * version.kv_bytes_per_token
+        out = []
+        for s in self._registry.states(version.version):
+            if not s.healthy or s.scraped_at <= 0:
+                continue
+            out.append(
+                ReplicaView(
+                    s.replica_id,
+                    s.record.pool,
+                    s.kv_usage,
+                    self.optimistic_bytes(s.replica_id, s.scraped_at),
+                    capacity,
+                )
+            )
+        return out
+
+    def choose(
+        self, version: schema.ModelVersionRecord, admission_class: str, est_kv_bytes: int
+    ) -> schema.ReplicaRecord | None:
+        """A replica of ``version`` that may take a request of the (effective) class, or None
+        when none may (the caller answers 503). ``est_kv_bytes`` is recorded by
+        ``on_dispatch``, not here: a choice is not yet a dispatch."""
+        cls: EffectiveClass = admission_class  # type: ignore[assignment]
+        pick = route(self.views(version), cls, self._cfg, self._rng, turn=self._turn)
+        self._turn += 1
+        if pick is None:
             return None
-        return self._rng.choice(candidates)
+        state = self._registry.state(pick.replica_id)
+        return state.record if state is not None else None
 
-    def on_dispatch(self, replica: schema.ReplicaRecord, request_id: str,
-                    est_kv_bytes: int) -> None:
-        """Called once the request is sent to ``replica``."""
+    def on_dispatch(
+        self, replica: schema.ReplicaRecord, request_id: str, est_kv_bytes: int
+    ) -> None:
+        """Called once the request is sent to ``replica``: count it until the next scrape."""
+        self._inflight.setdefault(replica.replica_id, {})[request_id] = (
+            self._clock(),
+            max(0, est_kv_bytes),
+        )
 
     def on_finish(self, replica: schema.ReplicaRecord, request_id: str) -> None:
-        """Called exactly once per dispatched request, whatever its ending."""
+        """Called exactly once per dispatched request, whatever its ending: a request that
+        ended before the next scrape no longer holds KV the scrape would have shown."""
+        entries = self._inflight.get(replica.replica_id)
+        if entries is not None:
+            entries.pop(request_id, None)
