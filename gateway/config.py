@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.policy import AdmissionConfig
+
 # Development defaults. They must equal fairway/env.py's (the control plane hashes keys with
 # the same pepper); tests/gateway/test_config.py checks that. Refused in production.
 DEV_KEY_PEPPER = "fairway-dev-key-pepper-not-secret"  # noqa: S105 - public dev default
@@ -74,6 +76,10 @@ class GatewayConfig:
     cache_ttl_unsubscribed_s: float = 0.5
     # Seconds between checks of the read-model version (catches missed pub/sub messages).
     version_poll_s: float = 1.0
+    # Admission and fairness knobs (GATEWAY_ADMISSION_*; see gateway/README.md).
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # The limits store's own timeout: past it, §8's fallback decides (fail open / closed).
+    admission_redis_timeout_s: float = 0.5
     instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex}")
 
     @property
@@ -114,7 +120,16 @@ class GatewayConfig:
             drain_deadline_s=_float(env, "GATEWAY_DRAIN_DEADLINE_S", 30.0),
             scrape_interval_s=_float(env, "GATEWAY_SCRAPE_INTERVAL_S", 0.25),
             idempotency_ttl_s=_int(env, "GATEWAY_IDEMPOTENCY_TTL_S", 24 * 3600),
+            admission=_admission(env),
+            admission_redis_timeout_s=_float(env, "GATEWAY_ADMISSION_REDIS_TIMEOUT_S", 0.5),
         )
+
+
+def _admission(env: Mapping[str, str]) -> AdmissionConfig:
+    try:
+        return AdmissionConfig.from_env(env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:

@@ -240,8 +240,12 @@ def connect(url: str, *, timeout_s: float = 0.5, max_connections: int = 256) -> 
     connection), never redis-py's default backoff, which stalls a request ~5 s before §8's
     fallback can answer it."""
     return aioredis.Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 1), max_connections=max_connections)
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1),
+        max_connections=max_connections,
+    )
 
 
 def tenant_tag(tenant_id: str, family: str) -> str:
@@ -339,8 +343,14 @@ class _LocalTenant:
 class Limiter:
     """Admits, settles and renews quota holds; degrades per §8 when Redis is unreachable."""
 
-    def __init__(self, client: aioredis.Redis, cfg: AdmissionConfig, *,
-                 stats: LimiterStats | None = None, probe_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        cfg: AdmissionConfig,
+        *,
+        stats: LimiterStats | None = None,
+        probe_interval_s: float = 1.0,
+    ) -> None:
         self._redis = client
         self._cfg = cfg
         self._stats: LimiterStats = stats or NullStats()
@@ -369,12 +379,17 @@ class Limiter:
         self._up = up
         self._stats.redis_up(up)
         if up:
-            log.warning("limits store reachable again: requests/tokens enforced, KV·seconds "
-                        "back on the shared ledger")
+            log.warning(
+                "limits store reachable again: requests/tokens enforced, KV·seconds "
+                "back on the shared ledger"
+            )
         else:
-            log.error("limits store unreachable (%s): requests/min and tokens/min FAIL OPEN, "
-                      "KV·seconds FAILS CLOSED to %.0f%% of each tenant's cap in-process",
-                      exc, self._cfg.local_kv_fraction * 100)
+            log.error(
+                "limits store unreachable (%s): requests/min and tokens/min FAIL OPEN, "
+                "KV·seconds FAILS CLOSED to %.0f%% of each tenant's cap in-process",
+                exc,
+                self._cfg.local_kv_fraction * 100,
+            )
 
     def _local_for(self, q_tenant: str, family: str, rpm: int, tpm: int) -> _LocalTenant:
         key = (q_tenant, family)
@@ -406,26 +421,58 @@ class Limiter:
         cfg = self._cfg
         res: list[Any] = await self._admit(
             keys=[f"{tag}:b", f"{tag}:l", f"{tag}:e", retry_key(q.version)],
-            args=[lease_id, q.rpm, q.tpm, q.est_tokens, q.est_kv_milli, q.kv_cap_milli,
-                  int(cfg.lease_ttl_s * 1000), q.expected_ms, int(q.is_retry),
-                  int(not q.retry_exempt), repr(cfg.retry_budget_ratio),
-                  cfg.retry_budget_min_admitted, int(cfg.retry_budget_window_s * 1000),
-                  RECLAIM_PER_ADMIT])
-        (ok, reason, wait, rrem, rreset, trem, treset, inflight, reclaimed, _adm, _ret,
-         now_ms) = (int(x) for x in res)
+            args=[
+                lease_id,
+                q.rpm,
+                q.tpm,
+                q.est_tokens,
+                q.est_kv_milli,
+                q.kv_cap_milli,
+                int(cfg.lease_ttl_s * 1000),
+                q.expected_ms,
+                int(q.is_retry),
+                int(not q.retry_exempt),
+                repr(cfg.retry_budget_ratio),
+                cfg.retry_budget_min_admitted,
+                int(cfg.retry_budget_window_s * 1000),
+                RECLAIM_PER_ADMIT,
+            ],
+        )
+        (ok, reason, wait, rrem, rreset, trem, treset, inflight, reclaimed, _adm, _ret, now_ms) = (
+            int(x) for x in res
+        )
         if reclaimed:
             self._stats.leases_reclaimed(reclaimed)
-            log.info("reclaimed %d unrenewed leases of tenant %s model %s", reclaimed,
-                     q.tenant_id, q.family)
+            log.info(
+                "reclaimed %d unrenewed leases of tenant %s model %s",
+                reclaimed,
+                q.tenant_id,
+                q.family,
+            )
         state = RateLimitState(q.rpm, max(0, rrem), rreset, q.tpm, max(0, trem), treset)
         grant = None
         if ok:
-            grant = Grant(lease_id, q.tenant_id, q.family, q.rpm, q.tpm, q.est_tokens,
-                          q.est_kv_milli, local=False)
+            grant = Grant(
+                lease_id,
+                q.tenant_id,
+                q.family,
+                q.rpm,
+                q.tpm,
+                q.est_tokens,
+                q.est_kv_milli,
+                local=False,
+            )
         return QuotaDecision(
-            admitted=bool(ok), layer=_REASONS.get(reason), retry_storm=reason == RETRY_BUDGET,
-            frees_in_ms=wait, state=state, inflight_kv_milli=inflight, grant=grant,
-            degraded=False, store_ms=now_ms)
+            admitted=bool(ok),
+            layer=_REASONS.get(reason),
+            retry_storm=reason == RETRY_BUDGET,
+            frees_in_ms=wait,
+            state=state,
+            inflight_kv_milli=inflight,
+            grant=grant,
+            degraded=False,
+            store_ms=now_ms,
+        )
 
     def _admit_local(self, q: QuotaRequest, lease_id: str, local: _LocalTenant) -> QuotaDecision:
         now_ms = int(time.time() * 1000)
@@ -437,7 +484,8 @@ class Limiter:
         if q.tpm and tl < 0:
             self._stats.fail_open("tokens")
         window = self._local_retries.setdefault(
-            q.version, RetryWindow(self._cfg.retry_budget_window_s))
+            q.version, RetryWindow(self._cfg.retry_budget_window_s)
+        )
         now_s = now_ms / 1000
         storm = in_retry_storm(*window.counts(now_s), self._cfg)
         inflight = local.inflight
@@ -451,21 +499,40 @@ class Limiter:
         if admitted:
             window.record(now_s, is_retry=q.is_retry)
             local.leases[lease_id] = q.est_kv_milli
-            grant = Grant(lease_id, q.tenant_id, q.family, q.rpm, q.tpm, q.est_tokens,
-                          q.est_kv_milli, local=True)
+            grant = Grant(
+                lease_id,
+                q.tenant_id,
+                q.family,
+                q.rpm,
+                q.tpm,
+                q.est_tokens,
+                q.est_kv_milli,
+                local=True,
+            )
         else:  # nothing was consumed
             if q.rpm:
                 local.rpm.give(1, now_ms)
             if q.tpm:
                 local.tpm.give(q.est_tokens, now_ms)
         state = RateLimitState(
-            q.rpm, int(max(rl, 0)), bucket_reset_ms(rl, q.rpm) if q.rpm else 0,
-            q.tpm, int(max(tl, 0)), bucket_reset_ms(tl, q.tpm) if q.tpm else 0)
+            q.rpm,
+            int(max(rl, 0)),
+            bucket_reset_ms(rl, q.rpm) if q.rpm else 0,
+            q.tpm,
+            int(max(tl, 0)),
+            bucket_reset_ms(tl, q.tpm) if q.tpm else 0,
+        )
         frees = int(self._cfg.lease_ttl_s * 1000) if not kv_ok else 0
         return QuotaDecision(
-            admitted=admitted, layer=None if kv_ok else "kv_seconds",
-            retry_storm=kv_ok and shed, frees_in_ms=frees, state=state,
-            inflight_kv_milli=inflight, grant=grant, degraded=True)
+            admitted=admitted,
+            layer=None if kv_ok else "kv_seconds",
+            retry_storm=kv_ok and shed,
+            frees_in_ms=frees,
+            state=state,
+            inflight_kv_milli=inflight,
+            grant=grant,
+            degraded=True,
+        )
 
     # -- settle ------------------------------------------------------------------------
     async def settle(self, grant: Grant, *, actual_tokens: int, refund_request: bool) -> bool:
@@ -489,8 +556,15 @@ class Limiter:
         try:
             released = await self._settle(
                 keys=[f"{tag}:b", f"{tag}:l", f"{tag}:e"],
-                args=[grant.lease_id, grant.est_tokens, actual_tokens, int(refund_request),
-                      grant.rpm, grant.tpm])
+                args=[
+                    grant.lease_id,
+                    grant.est_tokens,
+                    actual_tokens,
+                    int(refund_request),
+                    grant.rpm,
+                    grant.tpm,
+                ],
+            )
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             # The lease expires on its own within lease_ttl_s; tokens stay charged at the
             # estimate (pessimistic, and billing counts the actual anyway).
@@ -515,13 +589,14 @@ class Limiter:
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for i in range(0, len(live), RENEW_CHUNK):
-                    chunk = live[i:i + RENEW_CHUNK]
+                    chunk = live[i : i + RENEW_CHUNK]
                     keys: list[str] = []
                     for g in chunk:
                         tag = tenant_tag(g.tenant_id, g.family)
                         keys += [f"{tag}:e", f"{tag}:l"]
-                    await self._renew(keys=keys, args=[lease_ms, *(g.lease_id for g in chunk)],
-                                      client=pipe)
+                    await self._renew(
+                        keys=keys, args=[lease_ms, *(g.lease_id for g in chunk)], client=pipe
+                    )
                 results = await pipe.execute()
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             self._mark(False, exc)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal, get_args
 
 from gateway.schema import AdmissionClass
 
@@ -30,6 +30,10 @@ MINUTE_MS = 60_000
 EffectiveClass = AdmissionClass
 Strategy = Literal["p2c", "emptiest", "round_robin"]
 Layer = Literal["requests", "tokens", "kv_seconds"]
+# Layers that can be switched off for comparisons (the noisy-neighbour benchmark's
+# "requests/min only" arm): the three quota layers, per-replica capacity, retry budget.
+LAYERS = ("requests", "tokens", "kv_seconds", "capacity", "retry_budget")
+ENV_PREFIX = "GATEWAY_ADMISSION_"
 
 # vLLM's --scheduling-policy priority runs lower values first; the replica's scheduler
 # must agree with the gateway about who matters most when it has to preempt.
@@ -67,7 +71,6 @@ class AdmissionConfig:
     optimistic_inflight: bool = True
     # A dispatch this close before a scrape may not be in the scraped figure yet.
     inflight_grace_s: float = 0.05
-    scrape_stale_after_s: float = 5.0
     # R6: retry budget over a sliding minute.
     retry_budget_ratio: float = 0.20
     retry_budget_min_admitted: int = 20
@@ -81,16 +84,50 @@ class AdmissionConfig:
     # §8: with Redis down, KV·seconds fails closed to this share of each tenant's cap,
     # enforced in-process (per gateway process, hence a conservative fraction).
     local_kv_fraction: float = 0.25
+    # Which layers are enforced (all by default).
+    layers: frozenset[str] = frozenset(LAYERS)
+
+    def enforces(self, layer: str) -> bool:
+        return layer in self.layers
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> AdmissionConfig:
+        """Every field from ``GATEWAY_ADMISSION_<FIELD>`` (upper case) when set: numbers as
+        numbers, booleans as 1/0/true/false, ``STORM_RETRY_AFTER_S`` as ``low,high`` and
+        ``LAYERS`` as a comma list. Raises ValueError naming the variable on bad input."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name = ENV_PREFIX + f.name.upper()
+            raw = env.get(name, "").strip()
+            if not raw:
+                continue
+            default = getattr(cls(), f.name)
+            try:
+                values[f.name] = _parse(f.name, raw, default)
+            except ValueError as exc:
+                raise ValueError(f"{name}={raw!r}: {exc}") from None
+        try:
+            return replace(cls(), **values)
+        except ValueError as exc:
+            raise ValueError(f"{ENV_PREFIX}*: {exc}") from None
 
     def __post_init__(self) -> None:
-        for name in ("standard_max_occupancy", "best_effort_max_occupancy",
-                     "reserved_max_occupancy", "reserved_oversubscription",
-                     "retry_budget_ratio", "local_kv_fraction"):
+        for name in (
+            "standard_max_occupancy",
+            "best_effort_max_occupancy",
+            "reserved_max_occupancy",
+            "reserved_oversubscription",
+            "retry_budget_ratio",
+            "local_kv_fraction",
+        ):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
-        if not (self.best_effort_max_occupancy <= self.standard_max_occupancy
-                <= self.reserved_max_occupancy):
+        if not (
+            self.best_effort_max_occupancy
+            <= self.standard_max_occupancy
+            <= self.reserved_max_occupancy
+        ):
             raise ValueError("occupancy ceilings must satisfy best_effort <= standard <= reserved")
         if self.lease_renew_s * 2 >= self.lease_ttl_s:
             raise ValueError("lease_renew_s must be under half of lease_ttl_s")
@@ -99,6 +136,30 @@ class AdmissionConfig:
             raise ValueError("storm_retry_after_s must be (low, high) with 0 < low <= high")
         if self.est_out_cap < 0 or self.tpot_max_factor < 1 or self.tpot_stale_factor < 1:
             raise ValueError("est_out_cap >= 0, tpot factors >= 1")
+        if self.strategy not in get_args(Strategy):
+            raise ValueError(f"strategy must be one of {get_args(Strategy)}")
+        unknown = set(self.layers) - set(LAYERS)
+        if unknown:
+            raise ValueError(f"unknown layers {sorted(unknown)}; known: {', '.join(LAYERS)}")
+
+
+def _parse(field_name: str, raw: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("expected a boolean")
+    if isinstance(default, int):
+        return int(raw)
+    if isinstance(default, float):
+        return float(raw)
+    if isinstance(default, tuple):
+        lo, hi = (float(x) for x in raw.split(","))
+        return (lo, hi)
+    if isinstance(default, frozenset):
+        return frozenset(x.strip() for x in raw.split(",") if x.strip())
+    return raw
 
 
 # -- §6: the quota estimates -------------------------------------------------------------
@@ -115,9 +176,15 @@ def est_out_for_kv(max_output: int, cap: int = 0) -> int:
     return max(0, min(max_output, cap) if cap > 0 else max_output)
 
 
-def tpot_estimate(measured_p95_s: float | None, age_s: float, target_s: float, *,
-                  max_factor: float = 4.0, stale_after_s: float = 60.0,
-                  stale_factor: float = 2.0) -> float:
+def tpot_estimate(
+    measured_p95_s: float | None,
+    age_s: float,
+    target_s: float,
+    *,
+    max_factor: float = 4.0,
+    stale_after_s: float = 60.0,
+    stale_factor: float = 2.0,
+) -> float:
     """R1: clamp(measured p95, target, 4 x target); stale or missing -> 2 x target.
 
     The floor keeps the estimate from ever being optimistic; the ceiling stops one stuck
@@ -128,8 +195,9 @@ def tpot_estimate(measured_p95_s: float | None, age_s: float, target_s: float, *
     return min(max(measured_p95_s, target_s), max_factor * target_s)
 
 
-def kv_gib_seconds(prompt_tokens: int, est_out: int, kv_bytes_per_token: int,
-                   tpot_s: float) -> float:
+def kv_gib_seconds(
+    prompt_tokens: int, est_out: int, kv_bytes_per_token: int, tpot_s: float
+) -> float:
     """est_kv = (prompt + est_out/2) x kv_bytes_per_token x est_out x tpot, in GiB·s."""
     residency_bytes = (prompt_tokens + est_out / 2) * kv_bytes_per_token
     return residency_bytes * est_out * tpot_s / GIB
@@ -148,8 +216,9 @@ def expected_duration_ms(est_out: int, tpot_s: float) -> int:
 # -- §7 / R2: classes, floors and the reserved pool --------------------------------------
 
 
-def effective_class(tenant_class: AdmissionClass, inflight_kv_milli: int,
-                    reserved_floor_milli: int) -> EffectiveClass:
+def effective_class(
+    tenant_class: AdmissionClass, inflight_kv_milli: int, reserved_floor_milli: int
+) -> EffectiveClass:
     """§7: a reserved tenant is served as reserved while its in-flight KV is under its floor.
 
     Above the floor the same request competes as standard traffic (shared pool, 0.85).
@@ -181,8 +250,9 @@ def pool_admits(cls: EffectiveClass, pool: str) -> bool:
     return pool != "reserved" or cls == "reserved"
 
 
-def reserved_pool_replicas_needed(floors_gib_s: Iterable[int], *, replica_kv_gib: float,
-                                  cfg: AdmissionConfig) -> int:
+def reserved_pool_replicas_needed(
+    floors_gib_s: Iterable[int], *, replica_kv_gib: float, cfg: AdmissionConfig
+) -> int:
     """R2 sizing: sum of floors x over-subscription, as GiB of KV held (floors / residence
     time, Little's law), over what one replica may hold below the reserved ceiling."""
     total = sum(floors_gib_s)
@@ -192,14 +262,17 @@ def reserved_pool_replicas_needed(floors_gib_s: Iterable[int], *, replica_kv_gib
     return math.ceil(gib_needed / (replica_kv_gib * cfg.reserved_max_occupancy))
 
 
-def check_reserved_floors(floors_gib_s: Sequence[int], *, pool_replicas: int,
-                          replica_kv_gib: float, cfg: AdmissionConfig) -> str | None:
+def check_reserved_floors(
+    floors_gib_s: Sequence[int], *, pool_replicas: int, replica_kv_gib: float, cfg: AdmissionConfig
+) -> str | None:
     """A human-readable problem if the configured pool cannot carry the sold floors."""
     need = reserved_pool_replicas_needed(floors_gib_s, replica_kv_gib=replica_kv_gib, cfg=cfg)
     if need > pool_replicas:
-        return (f"reserved floors sum to {sum(floors_gib_s)} GiB·s; at over-subscription "
-                f"{cfg.reserved_oversubscription} they need {need} reserved-pool replicas, "
-                f"the catalog has {pool_replicas}")
+        return (
+            f"reserved floors sum to {sum(floors_gib_s)} GiB·s; at over-subscription "
+            f"{cfg.reserved_oversubscription} they need {need} reserved-pool replicas, "
+            f"the catalog has {pool_replicas}"
+        )
     return None
 
 
@@ -222,14 +295,25 @@ class ReplicaView:
         return self.occupancy + self.inflight_bytes / self.capacity_bytes
 
 
-def eligible(views: Iterable[ReplicaView], cls: EffectiveClass, cfg: AdmissionConfig,
-             *, optimistic: bool = True) -> list[ReplicaView]:
-    return [v for v in views
-            if pool_admits(cls, v.pool) and replica_admits(cls, v.load(optimistic), cfg)]
+def eligible(
+    views: Iterable[ReplicaView],
+    cls: EffectiveClass,
+    cfg: AdmissionConfig,
+    *,
+    optimistic: bool = True,
+) -> list[ReplicaView]:
+    if not cfg.enforces("capacity"):  # comparison mode: any healthy replica, any class
+        return list(views)
+    return [
+        v
+        for v in views
+        if pool_admits(cls, v.pool) and replica_admits(cls, v.load(optimistic), cfg)
+    ]
 
 
-def choose_p2c(cands: Sequence[ReplicaView], rng: random.Random, *,
-               optimistic: bool = True) -> ReplicaView | None:
+def choose_p2c(
+    cands: Sequence[ReplicaView], rng: random.Random, *, optimistic: bool = True
+) -> ReplicaView | None:
     """Power of two random choices: the less loaded of two distinct random candidates."""
     if not cands:
         return None
@@ -240,8 +324,7 @@ def choose_p2c(cands: Sequence[ReplicaView], rng: random.Random, *,
     return ca if ca.load(optimistic) <= cb.load(optimistic) else cb
 
 
-def choose_emptiest(cands: Sequence[ReplicaView], *, optimistic: bool = True
-                    ) -> ReplicaView | None:
+def choose_emptiest(cands: Sequence[ReplicaView], *, optimistic: bool = True) -> ReplicaView | None:
     """The strategy R5 rejects (herds on stale data); kept for the herd benchmark."""
     return min(cands, key=lambda v: v.load(optimistic), default=None)
 
@@ -250,17 +333,25 @@ def choose_round_robin(cands: Sequence[ReplicaView], turn: int) -> ReplicaView |
     return cands[turn % len(cands)] if cands else None
 
 
-def route(views: Sequence[ReplicaView], cls: EffectiveClass, cfg: AdmissionConfig,
-          rng: random.Random, *, turn: int = 0) -> ReplicaView | None:
+def route(
+    views: Sequence[ReplicaView],
+    cls: EffectiveClass,
+    cfg: AdmissionConfig,
+    rng: random.Random,
+    *,
+    turn: int = 0,
+) -> ReplicaView | None:
     """Pick a replica for one request, or None when no replica may take it (a 503).
 
     Floor traffic tries the reserved pool first, then shared replicas under 0.92 (R2:
     "try another"); everyone else only sees shared replicas under their class ceiling.
     """
     tiers: list[list[ReplicaView]]
-    if cls == "reserved":
-        tiers = [[v for v in views if v.pool == "reserved"],
-                 [v for v in views if v.pool != "reserved"]]
+    if cls == "reserved" and cfg.enforces("capacity"):
+        tiers = [
+            [v for v in views if v.pool == "reserved"],
+            [v for v in views if v.pool != "reserved"],
+        ]
     else:
         tiers = [list(views)]
     for tier in tiers:
@@ -302,8 +393,10 @@ def storm_retry_after_ms(cfg: AdmissionConfig, rng: random.Random) -> int:
 
 def retry_headers(retry_after_ms: int) -> dict[str, str]:
     """``retry-after`` (whole seconds, rounded up) and OpenAI's ``retry-after-ms``."""
-    return {"retry-after": str(max(1, math.ceil(retry_after_ms / 1000))),
-            "retry-after-ms": str(retry_after_ms)}
+    return {
+        "retry-after": str(max(1, math.ceil(retry_after_ms / 1000))),
+        "retry-after-ms": str(retry_after_ms),
+    }
 
 
 def in_retry_storm(admitted: int, retries: int, cfg: AdmissionConfig) -> bool:

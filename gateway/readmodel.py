@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from gateway import schema
 from gateway.config import GatewayConfig
@@ -50,6 +51,10 @@ class _Cache(Generic[T]):
         if entry is None or entry[0] <= now:
             return False, None
         return True, entry[1]
+
+    def last_known(self, ident: str) -> tuple[float, T | None] | None:
+        """The entry even if expired (``None``: never cached or dropped by a change)."""
+        return self.entries.get(ident)
 
     def put(self, ident: str, value: T | None, expires: float, epoch: int) -> None:
         if epoch == self.epoch:
@@ -140,7 +145,18 @@ class ReadModel:
             return value
         self._metrics.auth_cache.labels(kind, "miss").inc()
         epoch = cache.epoch
-        raw = await self._redis.get(redis_key)
+        try:
+            raw = await self._redis.get(redis_key)
+        except RedisError:
+            known = cache.last_known(ident)
+            if known is None:
+                raise
+            # Stale-if-error (§8): the store is unreachable, and nothing can change a record
+            # while it is down (the control plane writes through it), so the last known one
+            # stands; without this a Redis outage would refuse all traffic, not just fail
+            # the limits open/closed as designed.
+            self._metrics.auth_cache.labels(kind, "stale").inc()
+            return known[1]
         record: T | None = None
         if raw is not None:
             try:
