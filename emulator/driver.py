@@ -32,7 +32,7 @@ class EngineDriver:
         speed: float = 1.0,
         *,
         clock: Callable[[], float] = time.monotonic,
-        tolerance: float = 0.005,
+        tolerance: float = 0.1,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be positive")

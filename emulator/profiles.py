@@ -49,6 +49,11 @@ class Profile:
     ttft_target_ms: int = 1000  # design §1 SLO: TTFT p95 < 1 s
 
     @property
+    def context_length(self) -> int:
+        """Alias of ``max_model_len`` (the control plane's name for it)."""
+        return self.max_model_len
+
+    @property
     def effective_bandwidth(self) -> float:
         """Bytes per second a decode step really reads at (all GPUs of the replica)."""
         return self.bandwidth_efficiency * self.tensor_parallel * self.hbm_bandwidth_per_gpu
