@@ -218,6 +218,13 @@ def parse_chat_request(
             raise bad_request("request_id must be a string", "request_id")
         request_id = body_id or uuid.uuid4().hex
 
+    min_tokens = _int_field(body, "min_tokens", minimum=0) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
+            "min_tokens",
+        )
+
     return ChatParams(
         model=served_model,
         messages=messages,
@@ -229,7 +236,7 @@ def parse_chat_request(
         cache_salt=validate_cache_salt(body.get("cache_salt")),
         ignore_eos=_bool_field(body, "ignore_eos"),
         seed=_int_field(body, "seed"),
-        min_tokens=_int_field(body, "min_tokens", minimum=0) or 0,
+        min_tokens=min_tokens,
         request_id=request_id,
     )
 

@@ -136,6 +136,8 @@ class Stream:
         faults = app.faults
         count = req.num_output
         finish_reason = req.finish_reason
+        if finish_reason is not None and finish_reason not in ("stop", "length"):
+            return  # aborted while its last step was in flight: the abort path owns the stream
         finishing = finish_reason is not None
         fail_after = faults.fail_after_tokens
         failing = fail_after is not None and count >= fail_after and not finishing

@@ -102,9 +102,17 @@ class Tokenizer:
 
     def _word(self, word: str) -> tuple[int, ...]:
         raw = word.encode("utf-8")
-        ids = tuple(
-            _piece_id(raw[i : i + BYTES_PER_PIECE]) for i in range(0, len(raw), BYTES_PER_PIECE)
-        )
+        size = len(raw)
+        crc = zlib.crc32
+        # Most words are 1-2 pieces: skip the generator for them (this is the cold path of
+        # tokenizing a long prompt of unseen words).
+        ids: tuple[int, ...]
+        if size <= BYTES_PER_PIECE:
+            ids = (PIECE_BASE + crc(raw) % PIECE_SPAN,)
+        elif size <= 2 * BYTES_PER_PIECE:
+            ids = (PIECE_BASE + crc(raw[:4]) % PIECE_SPAN, PIECE_BASE + crc(raw[4:]) % PIECE_SPAN)
+        else:
+            ids = tuple(_piece_id(raw[i : i + BYTES_PER_PIECE]) for i in range(0, size, 4))
         if len(self._cache) >= _WORD_CACHE_LIMIT:
             self._cache.clear()
         self._cache[word] = ids

@@ -179,6 +179,8 @@ async def test_good_cache_salt_lengths_pass(client: httpx.AsyncClient) -> None:
         ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
         ({"model": MODEL, "messages": []}, "messages"),
         (chat("hi", n=2), "n"),
+        (chat("hi", max_tokens=2, min_tokens=3), "min_tokens"),
+        (chat("hi", min_tokens=-1), "min_tokens"),
     ],
 )
 async def test_validation_errors_are_400(
