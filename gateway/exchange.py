@@ -23,7 +23,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import httpx
 import orjson
 
 from gateway import idempotency
@@ -33,7 +32,13 @@ from gateway.errors import ApiError, GatewayTimeout, UpstreamError, capacity_una
 from gateway.http import JSON, SSE, Receive, Send, encode_headers, send_error
 from gateway.relay import END, ERROR, SSE_DONE, USAGE, StreamTracker, sse_data
 from gateway.schema import ModelVersionRecord
-from gateway.upstream import UpstreamStatusError
+from gateway.upstream import (
+    ReplicaStalled,
+    ReplicaUnreachable,
+    UpstreamFailure,
+    UpstreamResponse,
+    UpstreamStatusError,
+)
 from gateway.usage import UsageEvent
 from gateway.validation import ChatRequest
 
@@ -143,7 +148,7 @@ class Exchange:
                 else:
                     await self._relay_json(response, send)
             finally:
-                await response.aclose()
+                response.close()
         except ApiError as exc:
             self.status = self.status or exc.status
             if self.finish is None:
@@ -152,7 +157,7 @@ class Exchange:
                 self.response_done = True
                 await send_error(send, exc, self.headers)
 
-    async def _open(self) -> httpx.Response:
+    async def _open(self) -> UpstreamResponse:
         gw, replica = self.gw, self.ticket.replica
         body = gw.upstream.build_body(
             self.req,
@@ -175,32 +180,26 @@ class Exchange:
             raise UpstreamError(
                 f"The model replica failed ({exc.status}): {exc.message}", code="upstream_error"
             ) from None
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        except ReplicaUnreachable as exc:
             gw.metrics.upstream_errors.labels(replica.replica_id, "connect").inc()
-            gw.registry.mark_failed(replica.replica_id, repr(exc))
+            if exc.refused:
+                gw.registry.mark_failed(replica.replica_id, str(exc))
             raise capacity_unavailable(
                 "The model replica is unreachable; retry shortly.", code="replica_unavailable"
             ) from None
-        except httpx.PoolTimeout:
-            gw.metrics.upstream_errors.labels(replica.replica_id, "pool").inc()
-            raise capacity_unavailable(
-                "The gateway is at its connection limit.", code="gateway_overloaded"
-            ) from None
-        except httpx.TimeoutException:
+        except ReplicaStalled:
             gw.metrics.upstream_errors.labels(replica.replica_id, "timeout").inc()
             raise GatewayTimeout(
                 "The model replica did not answer in time.", code="upstream_timeout"
             ) from None
-        except httpx.HTTPError as exc:
+        except UpstreamFailure as exc:
             gw.metrics.upstream_errors.labels(replica.replica_id, "transport").inc()
-            raise UpstreamError(
-                f"The model replica failed: {exc!r}", code="upstream_error"
-            ) from None
+            raise UpstreamError(f"The model replica failed: {exc}", code="upstream_error") from None
 
     # -- relays ------------------------------------------------------------------------
-    async def _relay_stream(self, response: httpx.Response, send: Send) -> None:
+    async def _relay_stream(self, response: UpstreamResponse, send: Send) -> None:
         tracker = self.tracker
-        batches = sse_data(response).__aiter__()
+        batches = sse_data(response.chunks()).__aiter__()
         replica_id = self.ticket.replica.replica_id
         try:
             first = await self._next(batches)
@@ -212,9 +211,9 @@ class Exchange:
                 tracker.observe(first[0], time.monotonic())
                 message = str((tracker.error or {}).get("message", "unknown error"))
                 raise UpstreamError(f"The model replica failed: {message}", code="upstream_error")
-        except (httpx.TimeoutException, httpx.TransportError) as exc:
+        except UpstreamFailure as exc:
             self.gw.metrics.upstream_errors.labels(replica_id, "before_first_chunk").inc()
-            if isinstance(exc, httpx.TimeoutException):
+            if isinstance(exc, ReplicaStalled):
                 raise GatewayTimeout(
                     "The model replica stalled before the first token.", code="upstream_timeout"
                 ) from None
@@ -235,11 +234,11 @@ class Exchange:
                 if await self._forward(batch, send):
                     break
                 batch = await self._next(batches)
-        except httpx.TimeoutException:
+        except ReplicaStalled:
             self.finish = "timeout"
             self.gw.metrics.upstream_errors.labels(replica_id, "stall").inc()
             failure = _stream_error("The model replica stalled mid-stream.", "upstream_timeout")
-        except httpx.TransportError:
+        except UpstreamFailure:
             self.finish = "error"
             self.gw.metrics.upstream_errors.labels(replica_id, "mid_stream").inc()
             failure = _stream_error("The model replica failed mid-stream.", "upstream_error")
@@ -257,6 +256,17 @@ class Exchange:
             await self._store(idempotency.KIND_SSE, b"".join(self.capture))
         self.response_done = True
         await send({"type": "http.response.body", "body": failure or SSE_DONE, "more_body": False})
+        if failure is None:
+            await self._drain(batches)
+
+    async def _drain(self, batches: object) -> None:
+        """Read what follows ``[DONE]`` (the chunked-encoding terminator) so the upstream
+        connection goes back to the pool; closing a response early drops its connection,
+        and a new TCP connection per request costs more than the whole relay."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(0.5):
+                while await self._next(batches) is not None:
+                    pass
 
     async def _next(self, batches: object) -> list[bytes] | None:
         try:
@@ -289,11 +299,12 @@ class Exchange:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         return ended
 
-    async def _relay_json(self, response: httpx.Response, send: Send) -> None:
+    async def _relay_json(self, response: UpstreamResponse, send: Send) -> None:
         tracker = self.tracker
         replica_id = self.ticket.replica.replica_id
+        batches = sse_data(response.chunks())
         try:
-            async for batch in sse_data(response):
+            async for batch in batches:
                 now = time.monotonic()
                 for data in batch:
                     kind = tracker.observe(data, now)
@@ -306,10 +317,10 @@ class Exchange:
                         break
                 if tracker.done:
                     break
-        except httpx.TimeoutException:
+        except ReplicaStalled:
             self.gw.metrics.upstream_errors.labels(replica_id, "stall").inc()
             raise GatewayTimeout("The model replica stalled.", code="upstream_timeout") from None
-        except httpx.TransportError:
+        except UpstreamFailure:
             self.gw.metrics.upstream_errors.labels(replica_id, "mid_stream").inc()
             raise UpstreamError(
                 "The model replica failed mid-generation.", code="upstream_error"
@@ -325,6 +336,7 @@ class Exchange:
         headers += [(b"content-type", JSON), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+        await self._drain(batches)
 
     async def _store(self, kind: bytes, body: bytes) -> None:
         """Keep the response for replays before the client can see its end (and retry)."""

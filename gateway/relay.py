@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import orjson
 
 DONE = b"[DONE]"
@@ -29,10 +28,10 @@ END = 3
 OTHER = 4
 
 
-async def sse_data(response: httpx.Response) -> AsyncIterator[list[bytes]]:
+async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
     """The ``data:`` payloads of an SSE body, batched per network read (fewer sends)."""
     buffer = b""
-    async for chunk in response.aiter_raw():
+    async for chunk in chunks:
         buffer += chunk
         if b"\n\n" not in buffer and b"\r\n\r\n" not in buffer:
             continue

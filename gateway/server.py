@@ -99,6 +99,7 @@ class Gateway:
 
     async def startup(self) -> None:
         await self.redis.ping()
+        await self.upstream.start()
         self.usage.start()
         await self.readmodel.start()
         self.readmodel.on_catalog(self.registry.sync)

@@ -207,7 +207,8 @@ def test_no_healthy_replica_is_a_jittered_503(
     with pytest.raises(openai.InternalServerError) as info:
         client.chat.completions.create(model="dead", messages=HI)
     assert info.value.status_code == 503 and info.value.code == "capacity"
-    assert 1 <= int(info.value.response.headers["retry-after"]) <= 5
+    headers = info.value.response.headers
+    assert int(headers["retry-after"]) >= 1 and int(headers["retry-after-ms"]) >= 1000
 
 
 def test_models_lists_only_what_the_key_may_use(
