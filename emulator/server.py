@@ -417,8 +417,10 @@ class EmulatorApp:
         if stream.error is not None:
             await send_bytes(send, stream.error.status, stream.error.body())
             return
-        if req.finish_reason not in ("stop", "length"):
-            return  # aborted by shutdown: no response to give
+        if req.finish_reason not in ("stop", "length"):  # aborted by shutdown
+            await send_bytes(send, 503, ApiError(503, "The server is shutting down.",
+                                                 "Service Unavailable").body())  # fmt: skip
+            return
         body = chat_completion_body(
             response_id=response_id,
             created=created,

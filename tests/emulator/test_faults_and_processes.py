@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
@@ -97,3 +98,23 @@ def test_subprocess_emulator_stops_cleanly_and_rejects_bad_profiles() -> None:
         capture_output=True, timeout=30, check=False,
     )  # fmt: skip
     assert result.returncode == 2 and b"unknown profile" in result.stderr
+
+
+async def test_shutdown_aborts_in_flight_requests() -> None:
+    async with running_emulator(model=MODEL, speed=1) as emu:
+        async with httpx.AsyncClient(base_url=emu.base_url, timeout=10) as client:
+            body = chat("hi", max_tokens=5000, ignore_eos=True)
+            pending = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+            received = b""
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=dict(body, stream=True)
+            ) as response:
+                async for chunk in response.aiter_bytes():
+                    received += chunk
+                    if emu.engine.num_running == 2 and b'"content":" ' in received:
+                        await emu.service.stop()
+            assert b"[DONE]" not in received
+            answer = await pending
+            assert answer.status_code == 503
+            assert emu.engine.pool.num_used == 0 and not emu.engine.requests
+            assert emu.engine.stats.request_success["abort"] == 2
