@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         resolve_profile(args.profile, args.profile_file)
-    except (KeyError, ValueError) as exc:
+        if args.speed <= 0:
+            raise ValueError("--speed must be positive")
+    except (KeyError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     uvloop.run(serve(args))
