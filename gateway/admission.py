@@ -48,6 +48,8 @@ from gateway.policy import (
     VLLM_PRIORITY,
     AdmissionConfig,
     EffectiveClass,
+    WindowCounts,
+    best_effort_floor_allows,
     capacity_retry_after_ms,
     effective_class,
     est_out_for_kv,
@@ -195,6 +197,7 @@ class AdmissionController:
         self._limiter = Limiter(self._client, self._cfg, stats=self.metrics)
         self._held: dict[str, Ticket] = {}  # lease id -> ticket, for the renewer
         self._tpot: dict[str, tuple[float, float]] = {}  # version -> (computed at, estimate)
+        self._floors: dict[str, WindowCounts] = {}  # version -> (admitted, best-effort floor)
         self._renewer: asyncio.Task[None] | None = None
         del redis  # quota state uses the dedicated client above
 
@@ -278,11 +281,16 @@ class AdmissionController:
         )
         dispatch_bytes = max(0, req.prompt_tokens_est) * req.version.kv_bytes_per_token
         replica = self._router.choose(req.version, cls, dispatch_bytes)
+        floor = False
+        if replica is None and cls == "best_effort" and self._cfg.enforces("capacity"):
+            replica = self._best_effort_floor(req.version, dispatch_bytes)
+            floor = replica is not None
         if replica is None:
             await self._limiter.settle(grant, actual_tokens=0, refund_request=True)
             self.metrics.decisions.labels(plan_class, "no_capacity").inc()
             raise self._no_capacity(req, cls, headers)
         self._router.on_dispatch(replica, req.request_id, dispatch_bytes)
+        self._floor_window(req.version.version).record(time.monotonic(), flagged=floor)
         ticket = Ticket(
             request_id=req.request_id,
             replica=replica,
@@ -298,6 +306,27 @@ class AdmissionController:
         self.metrics.inflight_leases.inc()
         self.metrics.decisions.labels(plan_class, "admitted").inc()
         return ticket
+
+    def _floor_window(self, version: str) -> WindowCounts:
+        window = self._floors.get(version)
+        if window is None:
+            window = WindowCounts(self._cfg.best_effort_floor_window_s, slots=5)
+            self._floors[version] = window
+        return window
+
+    def _best_effort_floor(
+        self, version: schema.ModelVersionRecord, dispatch_bytes: int
+    ) -> schema.ReplicaRecord | None:
+        """§7 floors, not strict priority: a best-effort request over its ceiling may still
+        use a replica under the standard ceiling, within its small share (vLLM priority
+        stays best_effort, so the replica preempts it first)."""
+        admitted, floored = self._floor_window(version.version).counts(time.monotonic())
+        if not best_effort_floor_allows(admitted, floored, self._cfg):
+            return None
+        replica = self._router.choose(version, "standard", dispatch_bytes)
+        if replica is not None:
+            self.metrics.decisions.labels("best_effort", "floor").inc()
+        return replica
 
     def _refusal(
         self, req: AdmissionRequest, d: QuotaDecision, headers: dict[str, str]

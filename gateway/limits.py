@@ -49,7 +49,7 @@ from gateway.policy import (
     Layer,
     LocalBucket,
     RateLimitState,
-    RetryWindow,
+    WindowCounts,
     bucket_reset_ms,
     in_retry_storm,
 )
@@ -235,17 +235,20 @@ return {renewed, lost}
 """
 
 
-def connect(url: str, *, timeout_s: float = 0.5, max_connections: int = 256) -> aioredis.Redis:
+def connect(url: str, *, timeout_s: float = 0.5, max_connections: int = 512) -> aioredis.Redis:
     """The limiter's own client: short timeouts and one immediate retry (a stale pooled
     connection), never redis-py's default backoff, which stalls a request ~5 s before §8's
-    fallback can answer it."""
-    return aioredis.Redis.from_url(
+    fallback can answer it. The pool blocks (up to ``timeout_s``) for a free connection: a
+    burst of concurrent admissions must queue, not read as "the store is down"."""
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=max_connections,
+        timeout=timeout_s,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 1),
-        max_connections=max_connections,
     )
+    return aioredis.Redis(connection_pool=pool)
 
 
 def tenant_tag(tenant_id: str, family: str) -> str:
@@ -361,7 +364,7 @@ class Limiter:
         self._down_until = 0.0  # monotonic; while in the future, skip Redis entirely
         self._up = True
         self._local: dict[tuple[str, str], _LocalTenant] = {}
-        self._local_retries: dict[str, RetryWindow] = {}
+        self._local_retries: dict[str, WindowCounts] = {}
 
     @property
     def redis_up(self) -> bool:
@@ -484,7 +487,7 @@ class Limiter:
         if q.tpm and tl < 0:
             self._stats.fail_open("tokens")
         window = self._local_retries.setdefault(
-            q.version, RetryWindow(self._cfg.retry_budget_window_s)
+            q.version, WindowCounts(self._cfg.retry_budget_window_s)
         )
         now_s = now_ms / 1000
         storm = in_retry_storm(*window.counts(now_s), self._cfg)
@@ -497,7 +500,7 @@ class Limiter:
         self._stats.fail_closed(admitted)
         grant = None
         if admitted:
-            window.record(now_s, is_retry=q.is_retry)
+            window.record(now_s, flagged=q.is_retry)
             local.leases[lease_id] = q.est_kv_milli
             grant = Grant(
                 lease_id,

@@ -84,6 +84,11 @@ class AdmissionConfig:
     # §8: with Redis down, KV·seconds fails closed to this share of each tenant's cap,
     # enforced in-process (per gateway process, hence a conservative fraction).
     local_kv_fraction: float = 0.25
+    # Floors, not strict priority (§7): above its 0.60 ceiling, best-effort traffic may
+    # still take this share of a gateway process's admissions (at least one request per
+    # window) on replicas under the standard ceiling, so it is never starved to zero.
+    best_effort_floor_share: float = 0.05
+    best_effort_floor_window_s: float = 10.0
     # Which layers are enforced (all by default).
     layers: frozenset[str] = frozenset(LAYERS)
 
@@ -408,21 +413,29 @@ def in_retry_storm(admitted: int, retries: int, cfg: AdmissionConfig) -> bool:
     return admitted >= cfg.retry_budget_min_admitted and retries > cfg.retry_budget_ratio * admitted
 
 
+def best_effort_floor_allows(admitted: int, floor_admitted: int, cfg: AdmissionConfig) -> bool:
+    """May one more best-effort request go above its ceiling? Yes while such requests are
+    under ``best_effort_floor_share`` of this window's admissions, and always for the first
+    one of a window: the free tier's goodput stays above zero under sustained load."""
+    return floor_admitted < max(1.0, cfg.best_effort_floor_share * admitted)
+
+
 def sheds_retry(is_retry: bool, tenant_class: AdmissionClass, storm: bool) -> bool:
     """A first attempt is a user waiting, a retry is a client library; reserved is exempt."""
     return storm and is_retry and tenant_class != "reserved"
 
 
-class RetryWindow:
-    """Admitted / retried counts over a sliding window of ``slots`` buckets (in-process).
+class WindowCounts:
+    """(all, flagged) counts over a sliding window of ``slots`` buckets (in-process).
 
-    Used when Redis is unreachable, where the shared window in Redis cannot be read.
+    The retry budget's window when Redis is unreachable (flagged = retries), and the
+    best-effort floor's window (flagged = admitted above the best-effort ceiling).
     """
 
     def __init__(self, window_s: float = 60.0, slots: int = 6) -> None:
         self._width = window_s / slots
         self._slots = slots
-        self._buckets: deque[tuple[int, int, int]] = deque()  # (index, admitted, retries)
+        self._buckets: deque[tuple[int, int, int]] = deque()  # (index, all, flagged)
 
     def _trim(self, now_s: float) -> int:
         idx = int(now_s // self._width)
@@ -434,13 +447,13 @@ class RetryWindow:
         self._trim(now_s)
         return sum(b[1] for b in self._buckets), sum(b[2] for b in self._buckets)
 
-    def record(self, now_s: float, *, is_retry: bool) -> None:
+    def record(self, now_s: float, *, flagged: bool) -> None:
         idx = self._trim(now_s)
         if self._buckets and self._buckets[-1][0] == idx:
             _, a, r = self._buckets.pop()
         else:
             a, r = 0, 0
-        self._buckets.append((idx, a + 1, r + int(is_retry)))
+        self._buckets.append((idx, a + 1, r + int(flagged)))
 
 
 # -- token buckets (the Lua scripts in gateway/limits.py implement the same arithmetic) --

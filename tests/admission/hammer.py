@@ -36,8 +36,7 @@ Record = tuple[bool, int, int, int, int]
 
 
 async def _run(sc: Scenario) -> list[Record]:
-    client = aioredis.Redis.from_url(sc.redis_url, socket_timeout=10,
-                                     max_connections=sc.clients)
+    client = aioredis.Redis.from_url(sc.redis_url, socket_timeout=10, max_connections=sc.clients)
     limiter = Limiter(client, AdmissionConfig())
     rng = random.Random(sc.seed)
     records: list[Record] = []
@@ -48,8 +47,20 @@ async def _run(sc: Scenario) -> list[Record]:
         while time.monotonic() < deadline:
             est_t = rng.randint(*sc.est_tokens)
             est_kv = rng.randint(*sc.est_kv)
-            q = QuotaRequest(f"p{sc.seed}-c{i}-{n}", sc.tenant, "fam", "fam-v1", sc.rpm, sc.tpm,
-                             est_t, est_kv, sc.kv_cap, 1000, is_retry=False, retry_exempt=False)
+            q = QuotaRequest(
+                f"p{sc.seed}-c{i}-{n}",
+                sc.tenant,
+                "fam",
+                "fam-v1",
+                sc.rpm,
+                sc.tpm,
+                est_t,
+                est_kv,
+                sc.kv_cap,
+                1000,
+                is_retry=False,
+                retry_exempt=False,
+            )
             n += 1
             d = await limiter.admit(q)
             assert not d.degraded, "the proof must run against Redis"

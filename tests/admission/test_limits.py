@@ -16,17 +16,29 @@ from gateway.limits import Limiter, QuotaRequest, connect, tenant_tag
 from gateway.policy import AdmissionConfig
 from tests.admission.hammer import Record, Scenario, hammer
 
-BASE = QuotaRequest("r", "t1", "fam", "fam-v1", rpm=0, tpm=0, est_tokens=100,
-                    est_kv_milli=1000, kv_cap_milli=0, expected_ms=1000, is_retry=False,
-                    retry_exempt=False)
+BASE = QuotaRequest(
+    "r",
+    "t1",
+    "fam",
+    "fam-v1",
+    rpm=0,
+    tpm=0,
+    est_tokens=100,
+    est_kv_milli=1000,
+    kv_cap_milli=0,
+    expected_ms=1000,
+    is_retry=False,
+    retry_exempt=False,
+)
 
 
 def q(**kw: object) -> QuotaRequest:
     return replace(BASE, **kw)  # type: ignore[arg-type]
 
 
-async def test_requests_limit_refuses_the_next_request_and_says_when(aredis: aioredis.Redis
-                                                                     ) -> None:
+async def test_requests_limit_refuses_the_next_request_and_says_when(
+    aredis: aioredis.Redis,
+) -> None:
     lim = Limiter(aredis, AdmissionConfig())
     seen = [await lim.admit(q(rpm=3)) for _ in range(4)]
     assert [d.admitted for d in seen] == [True, True, True, False]
@@ -38,8 +50,7 @@ async def test_requests_limit_refuses_the_next_request_and_says_when(aredis: aio
     assert refused.state.reset_requests_ms == pytest.approx(60_000, abs=1000)
 
 
-async def test_tokens_charge_estimate_then_refund_unused_at_settle(aredis: aioredis.Redis
-                                                                   ) -> None:
+async def test_tokens_charge_estimate_then_refund_unused_at_settle(aredis: aioredis.Redis) -> None:
     lim = Limiter(aredis, AdmissionConfig())
     first = await lim.admit(q(tpm=10_000, est_tokens=4_000))
     assert first.state.remaining_tokens == 6_000
@@ -53,12 +64,12 @@ async def test_tokens_charge_estimate_then_refund_unused_at_settle(aredis: aiore
     # settle is idempotent: a second call changes nothing
     assert not await lim.settle(first.grant, actual_tokens=90, refund_request=False)
     fourth = await lim.admit(q(tpm=10_000, est_tokens=100))
-    assert fourth.state.remaining_tokens == pytest.approx(third.state.remaining_tokens - 100,
-                                                          abs=10)
+    assert fourth.state.remaining_tokens == pytest.approx(
+        third.state.remaining_tokens - 100, abs=10
+    )
 
 
-async def test_tokens_admit_while_positive_then_refuse_until_repaid(aredis: aioredis.Redis
-                                                                    ) -> None:
+async def test_tokens_admit_while_positive_then_refuse_until_repaid(aredis: aioredis.Redis) -> None:
     lim = Limiter(aredis, AdmissionConfig())
     big = await lim.admit(q(tpm=6_000, est_tokens=5_000))
     over = await lim.admit(q(tpm=6_000, est_tokens=5_000))  # 1,000 left: admitted, debt
@@ -79,8 +90,7 @@ async def test_rejected_request_is_refunded_entirely(aredis: aioredis.Redis) -> 
     assert again.inflight_kv_milli == 0
 
 
-async def test_kv_cap_is_strict_except_for_a_lone_oversized_request(aredis: aioredis.Redis
-                                                                    ) -> None:
+async def test_kv_cap_is_strict_except_for_a_lone_oversized_request(aredis: aioredis.Redis) -> None:
     lim = Limiter(aredis, AdmissionConfig())
     a = await lim.admit(q(kv_cap_milli=2500, est_kv_milli=1000, expected_ms=3000))
     b = await lim.admit(q(kv_cap_milli=2500, est_kv_milli=1000, expected_ms=8000))
@@ -97,8 +107,9 @@ async def test_kv_cap_is_strict_except_for_a_lone_oversized_request(aredis: aior
     assert not (await lim.admit(q(kv_cap_milli=2500, est_kv_milli=1))).admitted
 
 
-async def test_unrenewed_leases_are_reclaimed_and_renewed_ones_are_not(aredis: aioredis.Redis
-                                                                       ) -> None:
+async def test_unrenewed_leases_are_reclaimed_and_renewed_ones_are_not(
+    aredis: aioredis.Redis,
+) -> None:
     cfg = AdmissionConfig(lease_ttl_s=1.0, lease_renew_s=0.3)
     lim = Limiter(aredis, cfg)
     kept = await lim.admit(q(tenant_id="keep", kv_cap_milli=1000))
@@ -126,8 +137,9 @@ async def test_retry_budget_in_redis_matches_the_pure_rule(aredis: aioredis.Redi
         admitted += 1
     outcomes = []
     for i in range(12):
-        expect_shed = policy.sheds_retry(True, "standard",
-                                         policy.in_retry_storm(admitted, retries, cfg))
+        expect_shed = policy.sheds_retry(
+            True, "standard", policy.in_retry_storm(admitted, retries, cfg)
+        )
         d = await lim.admit(q(request_id=f"r{i}", is_retry=True))
         assert d.retry_storm is expect_shed and d.admitted is not expect_shed
         assert d.layer is None
@@ -175,8 +187,10 @@ async def test_redis_unreachable_fails_open_for_rates_and_closed_for_kv() -> Non
 
     lim = Limiter(dead, AdmissionConfig(local_kv_fraction=0.25), stats=Stats())
     # rpm 1 would refuse the second request: failing open, all five pass
-    ds = [await lim.admit(q(rpm=1, tpm=100, est_tokens=100, kv_cap_milli=8000,
-                            est_kv_milli=1000)) for _ in range(2)]
+    ds = [
+        await lim.admit(q(rpm=1, tpm=100, est_tokens=100, kv_cap_milli=8000, est_kv_milli=1000))
+        for _ in range(2)
+    ]
     assert all(d.admitted and d.degraded for d in ds)
     assert ("up", False) in events and ("open", "requests") in events
     # KV fails closed at 25 % of 8000 = 2000 milli in this process
@@ -201,15 +215,26 @@ def _run_processes(scenarios: list[Scenario]) -> list[Record]:
 
 
 def _scenarios(redis_url: str, **kw: object) -> list[Scenario]:
-    base = Scenario(redis_url=redis_url, tenant="hammered", rpm=0, tpm=0, kv_cap=0,
-                    est_tokens=(1, 1), est_kv=(1, 1), hold_ms=None, clients=100,
-                    duration_s=2.0, seed=0)
+    base = Scenario(
+        redis_url=redis_url,
+        tenant="hammered",
+        rpm=0,
+        tpm=0,
+        kv_cap=0,
+        est_tokens=(1, 1),
+        est_kv=(1, 1),
+        hold_ms=None,
+        clients=100,
+        duration_s=2.0,
+        seed=0,
+    )
     return [replace(base, seed=i, **kw) for i in range(4)]  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
 def test_overshoot_bounds_under_400_concurrent_clients_in_4_processes(
-        redis_url: str, redis_sync: redis.Redis) -> None:
+    redis_url: str, redis_sync: redis.Redis
+) -> None:
     # requests/min: overshoot 0 beyond what the bucket refilled while the test ran
     # (figures are printed for the record: run with -s)
     recs = _run_processes(_scenarios(redis_url, tenant="rpm", rpm=300))
@@ -222,28 +247,32 @@ def test_overshoot_bounds_under_400_concurrent_clients_in_4_processes(
 
     # tokens/min: at most one request's estimate beyond capacity + refill
     redis_sync.flushdb()
-    recs = _run_processes(_scenarios(redis_url, tenant="tpm", tpm=50_000,
-                                     est_tokens=(100, 3000)))
+    recs = _run_processes(_scenarios(redis_url, tenant="tpm", tpm=50_000, est_tokens=(100, 3000)))
     ok = [r for r in recs if r[0]]
     t0, t1 = min(r[1] for r in ok), max(r[1] for r in ok)
     charged = sum(r[2] for r in ok)
     bound = 50_000 + 50_000 * (t1 - t0) / 60_000
     assert charged >= 50_000  # it really ran the budget out
     assert charged < bound + max(r[2] for r in ok), (charged, bound)
-    print(f"tpm: {len(recs)} attempts, {charged} tokens admitted, capacity+refill {bound:.0f},"
-          f" overshoot {charged - bound:.0f} <= largest estimate {max(r[2] for r in ok)}")
+    print(
+        f"tpm: {len(recs)} attempts, {charged} tokens admitted, capacity+refill {bound:.0f},"
+        f" overshoot {charged - bound:.0f} <= largest estimate {max(r[2] for r in ok)}"
+    )
 
     # KV·seconds, held and released concurrently: never over the cap at admission
     redis_sync.flushdb()
     cap = 20_000
-    recs = _run_processes(_scenarios(redis_url, tenant="kv", kv_cap=cap, est_kv=(500, 3000),
-                                     hold_ms=(5, 60)))
+    recs = _run_processes(
+        _scenarios(redis_url, tenant="kv", kv_cap=cap, est_kv=(500, 3000), hold_ms=(5, 60))
+    )
     ok = [r for r in recs if r[0]]
     assert len(ok) > 100 and len(ok) < len(recs)
     assert all(r[4] == 0 or r[4] + r[3] <= cap for r in ok)
     peak = max(r[4] + r[3] for r in ok)
-    print(f"kv (held+released): {len(recs)} attempts, {len(ok)} admitted, peak in-flight "
-          f"{peak} <= cap {cap}")
+    print(
+        f"kv (held+released): {len(recs)} attempts, {len(ok)} admitted, peak in-flight "
+        f"{peak} <= cap {cap}"
+    )
     # ... and after every release the ledger is exactly empty: no leak, no double count
     lease = redis_sync.hgetall(f"{tenant_tag('kv', 'fam')}:l")
     assert lease == {b"#": b"0"}
@@ -251,10 +280,10 @@ def test_overshoot_bounds_under_400_concurrent_clients_in_4_processes(
 
     # KV·seconds held (never released): the sum admitted stays within the cap exactly
     redis_sync.flushdb()
-    recs = _run_processes(_scenarios(redis_url, tenant="kvh", kv_cap=cap, est_kv=(500, 3000),
-                                     duration_s=1.0))
+    recs = _run_processes(
+        _scenarios(redis_url, tenant="kvh", kv_cap=cap, est_kv=(500, 3000), duration_s=1.0)
+    )
     ok = [r for r in recs if r[0]]
     assert sum(r[3] for r in ok) <= cap and len(ok) >= 6
     print(f"kv (held): {len(recs)} attempts, {sum(r[3] for r in ok)} admitted <= cap {cap}")
-    assert int(redis_sync.hget(f"{tenant_tag('kvh', 'fam')}:l", "#") or 0) == sum(
-        r[3] for r in ok)
+    assert int(redis_sync.hget(f"{tenant_tag('kvh', 'fam')}:l", "#") or 0) == sum(r[3] for r in ok)

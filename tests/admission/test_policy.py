@@ -38,31 +38,42 @@ def test_kv_estimate_matches_the_design_worked_example() -> None:
     small = policy.kv_gib_seconds(200, 100, 320 * KIB, 0.040)
     # output appears squared: twice the output holds ~twice the memory twice as long
     assert policy.kv_gib_seconds(0, 200, 320 * KIB, 0.04) == pytest.approx(
-        4 * policy.kv_gib_seconds(0, 100, 320 * KIB, 0.04))
+        4 * policy.kv_gib_seconds(0, 100, 320 * KIB, 0.04)
+    )
     assert gib_s / small > 1000
     assert policy.to_milli(0.0001) == 1 and policy.to_milli(2.5) == 2500
 
 
-@pytest.mark.parametrize(("measured", "age", "expected"), [
-    (0.020, 1.0, 0.040),   # faster than target: floored at target (never optimistic)
-    (0.070, 1.0, 0.070),   # measured inside the band: used as is
-    (0.500, 1.0, 0.160),   # one stuck replica: clamped at 4 x target
-    (0.070, 61.0, 0.080),  # measurement stale (> 60 s): 2 x target
-    (None, 0.0, 0.080),    # no measurement at all: 2 x target
-])
-def test_tpot_estimate_clamps_and_falls_back(measured: float | None, age: float,
-                                             expected: float) -> None:
+@pytest.mark.parametrize(
+    ("measured", "age", "expected"),
+    [
+        (0.020, 1.0, 0.040),  # faster than target: floored at target (never optimistic)
+        (0.070, 1.0, 0.070),  # measured inside the band: used as is
+        (0.500, 1.0, 0.160),  # one stuck replica: clamped at 4 x target
+        (0.070, 61.0, 0.080),  # measurement stale (> 60 s): 2 x target
+        (None, 0.0, 0.080),  # no measurement at all: 2 x target
+    ],
+)
+def test_tpot_estimate_clamps_and_falls_back(
+    measured: float | None, age: float, expected: float
+) -> None:
     assert policy.tpot_estimate(measured, age, 0.040) == pytest.approx(expected)
 
 
 # -- §7 / R2 classes ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("cls", "load", "ok"), [
-    ("standard", 0.84, True), ("standard", 0.85, False),
-    ("best_effort", 0.59, True), ("best_effort", 0.60, False),
-    ("reserved", 0.92, True), ("reserved", 0.921, False),
-])
+@pytest.mark.parametrize(
+    ("cls", "load", "ok"),
+    [
+        ("standard", 0.84, True),
+        ("standard", 0.85, False),
+        ("best_effort", 0.59, True),
+        ("best_effort", 0.60, False),
+        ("reserved", 0.92, True),
+        ("reserved", 0.921, False),
+    ],
+)
 def test_class_thresholds(cls: policy.EffectiveClass, load: float, ok: bool) -> None:
     assert policy.replica_admits(cls, load, CFG) is ok
 
@@ -90,10 +101,11 @@ def test_reserved_pool_sizing_uses_the_written_oversubscription_ratio() -> None:
     assert policy.reserved_pool_replicas_needed([], replica_kv_gib=172.5, cfg=CFG) == 0
     full = AdmissionConfig(reserved_oversubscription=1.0)
     assert policy.reserved_pool_replicas_needed([20_000], replica_kv_gib=172.5, cfg=full) == 3
-    assert policy.check_reserved_floors([20_000], pool_replicas=2, replica_kv_gib=172.5,
-                                        cfg=CFG) is None
-    problem = policy.check_reserved_floors([20_000], pool_replicas=1, replica_kv_gib=172.5,
-                                           cfg=CFG)
+    assert (
+        policy.check_reserved_floors([20_000], pool_replicas=2, replica_kv_gib=172.5, cfg=CFG)
+        is None
+    )
+    problem = policy.check_reserved_floors([20_000], pool_replicas=1, replica_kv_gib=172.5, cfg=CFG)
     assert problem is not None and "need 2" in problem
 
 
@@ -156,8 +168,10 @@ def test_route_sends_floor_traffic_to_the_reserved_pool_first_then_shared() -> N
 def test_round_robin_and_emptiest_strategies() -> None:
     views = [view("a", 0.3), view("b", 0.1), view("c", 0.2)]
     rr = AdmissionConfig(strategy="round_robin")
-    picks = [policy.route(views, "standard", rr, random.Random(0), turn=t).replica_id  # type: ignore[union-attr]
-             for t in range(4)]
+    picks = [
+        policy.route(views, "standard", rr, random.Random(0), turn=t).replica_id  # type: ignore[union-attr]
+        for t in range(4)
+    ]
     assert picks == ["a", "b", "c", "a"]
     em = AdmissionConfig(strategy="emptiest")
     assert policy.route(views, "standard", em, random.Random(0)).replica_id == "b"  # type: ignore[union-attr]
@@ -184,13 +198,16 @@ def test_jitter_bounds_and_spread() -> None:
     assert policy.retry_headers(1) == {"retry-after": "1", "retry-after-ms": "1"}
 
 
-@pytest.mark.parametrize(("admitted", "retries", "storm"), [
-    (100, 20, False),  # exactly 20 %: within budget
-    (100, 21, True),
-    (10, 9, False),    # too little traffic to call it a storm
-    (20, 5, True),
-    (0, 0, False),
-])
+@pytest.mark.parametrize(
+    ("admitted", "retries", "storm"),
+    [
+        (100, 20, False),  # exactly 20 %: within budget
+        (100, 21, True),
+        (10, 9, False),  # too little traffic to call it a storm
+        (20, 5, True),
+        (0, 0, False),
+    ],
+)
 def test_retry_budget(admitted: int, retries: int, storm: bool) -> None:
     assert policy.in_retry_storm(admitted, retries, CFG) is storm
 
@@ -204,9 +221,9 @@ def test_only_non_reserved_retries_are_shed() -> None:
 
 
 def test_retry_window_slides() -> None:
-    w = policy.RetryWindow(window_s=60, slots=6)
+    w = policy.WindowCounts(window_s=60, slots=6)
     for i in range(10):
-        w.record(100.0 + i, is_retry=i % 2 == 0)
+        w.record(100.0 + i, flagged=i % 2 == 0)
     assert w.counts(110.0) == (10, 5)
     assert w.counts(165.0) == (0, 0)  # a minute later it is all gone
 
@@ -214,10 +231,20 @@ def test_retry_window_slides() -> None:
 # -- headers -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("ms", "text"), [
-    (0, "0ms"), (12, "12ms"), (999, "999ms"), (1000, "1s"), (1500, "1.5s"),
-    (6.02, "7ms"), (360_000, "6m0s"), (61_250, "1m1.25s"), (3_723_000, "1h2m3s"),
-])
+@pytest.mark.parametrize(
+    ("ms", "text"),
+    [
+        (0, "0ms"),
+        (12, "12ms"),
+        (999, "999ms"),
+        (1000, "1s"),
+        (1500, "1.5s"),
+        (6.02, "7ms"),
+        (360_000, "6m0s"),
+        (61_250, "1m1.25s"),
+        (3_723_000, "1h2m3s"),
+    ],
+)
 def test_reset_durations_are_formatted_like_openai(ms: float, text: str) -> None:
     assert policy.format_reset(ms) == text
 
@@ -225,9 +252,12 @@ def test_reset_durations_are_formatted_like_openai(ms: float, text: str) -> None
 def test_rate_limit_headers() -> None:
     h = policy.RateLimitState(60, 59, 1000, 150_000, -20, 360_000).headers()
     assert h == {
-        "x-ratelimit-limit-requests": "60", "x-ratelimit-limit-tokens": "150000",
-        "x-ratelimit-remaining-requests": "59", "x-ratelimit-remaining-tokens": "0",
-        "x-ratelimit-reset-requests": "1s", "x-ratelimit-reset-tokens": "6m0s",
+        "x-ratelimit-limit-requests": "60",
+        "x-ratelimit-limit-tokens": "150000",
+        "x-ratelimit-remaining-requests": "59",
+        "x-ratelimit-remaining-tokens": "0",
+        "x-ratelimit-reset-requests": "1s",
+        "x-ratelimit-reset-tokens": "6m0s",
     }
 
 
@@ -245,3 +275,41 @@ def test_token_bucket_arithmetic() -> None:
 def test_vllm_priority_orders_classes() -> None:
     p = policy.VLLM_PRIORITY
     assert p["reserved"] < p["standard"] < p["best_effort"]
+
+
+def test_best_effort_floor_keeps_free_traffic_above_zero() -> None:
+    # the first of a window always passes, then at most 5 % of admissions
+    assert policy.best_effort_floor_allows(0, 0, CFG)
+    assert not policy.best_effort_floor_allows(10, 1, CFG)
+    assert policy.best_effort_floor_allows(100, 4, CFG)
+    assert not policy.best_effort_floor_allows(100, 5, CFG)
+
+
+def test_config_from_env_reads_every_knob_and_names_bad_input() -> None:
+    env = {
+        "GATEWAY_ADMISSION_STANDARD_MAX_OCCUPANCY": "0.8",
+        "GATEWAY_ADMISSION_LAYERS": "requests,capacity",
+        "GATEWAY_ADMISSION_STORM_RETRY_AFTER_S": "10,20",
+        "GATEWAY_ADMISSION_OPTIMISTIC_INFLIGHT": "false",
+        "GATEWAY_ADMISSION_STRATEGY": "round_robin",
+        "GATEWAY_ADMISSION_EST_OUT_CAP": "1200",
+    }
+    cfg = AdmissionConfig.from_env(env)
+    assert cfg.standard_max_occupancy == 0.8 and cfg.est_out_cap == 1200
+    assert cfg.layers == frozenset({"requests", "capacity"}) and not cfg.enforces("tokens")
+    assert cfg.storm_retry_after_s == (10.0, 20.0) and not cfg.optimistic_inflight
+    assert cfg.strategy == "round_robin"
+    assert AdmissionConfig.from_env({}) == AdmissionConfig()
+    with pytest.raises(ValueError, match="GATEWAY_ADMISSION_LEASE_TTL_S"):
+        AdmissionConfig.from_env({"GATEWAY_ADMISSION_LEASE_TTL_S": "soon"})
+    with pytest.raises(ValueError, match="unknown layers"):
+        AdmissionConfig.from_env({"GATEWAY_ADMISSION_LAYERS": "requests,vibes"})
+    with pytest.raises(ValueError, match="strategy"):
+        AdmissionConfig.from_env({"GATEWAY_ADMISSION_STRATEGY": "fastest"})
+
+
+def test_capacity_layer_off_makes_every_replica_eligible() -> None:
+    off = AdmissionConfig(layers=frozenset({"requests"}))
+    views = [view("r1", 0.99, pool="reserved"), view("s1", 0.97)]
+    assert len(policy.eligible(views, "best_effort", off)) == 2
+    assert policy.route(views, "best_effort", off, random.Random(0)) is not None
