@@ -26,8 +26,6 @@ from typing import Any, TypeVar
 
 import uvicorn
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from gateway.admission import AdmissionController
 from gateway.auth import Authenticator, LastUsedRecorder
@@ -48,14 +46,11 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
-        # One immediate retry (a stale pooled connection), never redis-py's default
-        # backoff: with the store down that stalls each request for seconds (§8).
         self.redis: Redis = Redis.from_url(
             config.redis_url,
             socket_timeout=config.redis_timeout_s,
             socket_connect_timeout=config.redis_timeout_s,
             health_check_interval=10,
-            retry=Retry(NoBackoff(), 1),
         )
         self.readmodel = ReadModel(self.redis, config, self.metrics)
         self.last_used = LastUsedRecorder(self.redis, config.last_used_flush_s)
