@@ -13,6 +13,8 @@ router; 503, they cannot) — never mixed up (§3):
    pool first, then any replica up to 0.92); above it, ``standard``.
 3. The router picks a replica under the class's occupancy ceiling (P2C + optimistic
    in-flight, R5); none → 503 ``capacity`` (the quota charge is refunded in full).
+   Floors, not strict priority: past its 0.60 ceiling, best-effort traffic still gets a
+   small share of admissions (``best_effort_floor_share``) so the free tier never starves.
 4. The class goes to vLLM as ``priority`` so the replica's scheduler agrees with us.
 
 ``est_kv`` uses R1's ``tpot_est = clamp(fleet p95 TPOT over 30 s, target, 4 x target)``, or
