@@ -34,8 +34,9 @@ class Scenario:
     args: tuple[str, ...] = ()
 
 
-# Order: the headline first; the simulation (no processes) last.
+# Order: the emulator's own check, then the headline; the simulation (no processes) last.
 SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("emulator_bench", "0 · Emulator SSE throughput and cliff", "emulator_sse.md"),
     Scenario("noisy_neighbour", "1 · Noisy neighbour (headline)", "noisy_neighbour.md"),
     Scenario("gateway_overhead", "2 · Gateway overhead", "gateway_overhead.md"),
     Scenario("herd", "3 · Routing herd", "herd.md"),

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -39,15 +39,22 @@ def redis_url_with_db(url: str, db: int) -> str:
     return urlunsplit((parts.scheme, parts.netloc, f"/{db}", parts.query, parts.fragment))
 
 
-def bench_redis_url() -> str:
-    """BENCH_REDIS_URL, else the machine's (or an embedded) Redis on DB 15, so that a bench
-    never touches the data of a dev stack on DB 0."""
+@contextlib.contextmanager
+def bench_redis() -> Iterator[str]:
+    """BENCH_REDIS_URL, else the machine's Redis (REDIS_URL or :6379) on DB 15 so that a
+    bench never touches a dev stack's DB 0; with no Redis at all, an embedded one that is
+    stopped on exit."""
     explicit = os.environ.get("BENCH_REDIS_URL")
     if explicit:
-        return explicit
+        yield explicit
+        return
     from fairway.embedded import EmbeddedServices
 
-    return redis_url_with_db(EmbeddedServices().redis_url(), 15)
+    services = EmbeddedServices()
+    try:
+        yield redis_url_with_db(services.redis_url(), 15)
+    finally:
+        services.stop()
 
 
 # -- the read model ---------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Scenario 4: fleet-scale discrete-event simulation of the 70B fleet at the design's scale.
 
-Drives the gateway's own admission and routing rules (``gateway.policy``: class ceilings,
-``route`` with P2C / pick-emptiest / round robin, optimistic in-flight, R6 jitter and the
-retry budget — imported, not copied) against 44 of the emulator's own ``Engine`` (70B
-profile: continuous batching, paged KV, preemption) stepped in virtual time, at 333 req/s
-with the §2 token shape. Several gateways each keep their own optimistic in-flight view,
-as in production; all of them see replica occupancy only through a scrape every 250 ms.
+Drives the gateway's own admission and routing code (``gateway.router.Router`` over
+``gateway.policy``: class ceilings, P2C / pick-emptiest / round robin, optimistic
+in-flight; R6 jitter and the retry budget — imported, not copied) against 44 of the
+emulator's own ``Engine`` (70B profile: continuous batching, paged KV, preemption) stepped
+in virtual time, at 333 req/s with the §2 token shape. Several gateways each keep their
+own optimistic in-flight view, as in production; all of them see replica occupancy only
+through a scrape every 250 ms.
 Simplified: no network or gateway CPU time, prefix caching off (the prompts are unique),
 clients retry as described per experiment.
 
@@ -30,20 +31,22 @@ from bench.stats import TPOT_SLO_S, TTFT_SLO_S
 from bench.workload import DESIGN_OUTPUT, DESIGN_PROMPT
 from emulator.engine import Engine, EngineConfig
 from emulator.profiles import Profile, get_profile
+from gateway import schema
 from gateway.policy import (
     VLLM_PRIORITY,
     AdmissionConfig,
-    ReplicaView,
     Strategy,
     capacity_retry_after_ms,
     in_retry_storm,
-    route,
     sheds_retry,
     storm_retry_after_ms,
 )
+from gateway.replicas import ReplicaState
+from gateway.router import Router
 
 RESULTS = Path(__file__).parent / "results"
 PROFILE = "llama-70b-tp4-h100"
+SIM_VERSION = "llama-70b-sim"
 
 # Event kinds, ordered so that at equal times steps finish before new arrivals are routed.
 _STEP, _SCRAPE, _KILL, _ARRIVE = range(4)
@@ -65,6 +68,7 @@ class SimRequest:
     finished: float | None = None
     status: str = "pending"  # pending | ok | rejected | error
     replica: int = -1
+    gateway: int = -1
     final: bool = False  # completed, or the client gave up
     ended: float = 0.0  # when it became final
 
@@ -154,24 +158,28 @@ class SimResult:
 
 
 class _Gateway:
-    """One gateway's routing state: last scrape, optimistic in-flight, health."""
+    """One gateway process: its own ``gateway.router.Router`` (P2C / emptiest / round robin
+    over ``gateway.policy``, optimistic in-flight per dispatch) fed by its own scrapes."""
 
-    def __init__(self, n: int, capacity_bytes: int, seed: int) -> None:
-        self.occ = np.zeros(n)
-        self.inflight = np.zeros(n, dtype=np.int64)
-        self.failures = np.zeros(n, dtype=np.int64)
-        self.healthy = np.ones(n, dtype=bool)
-        self.capacity = capacity_bytes
+    def __init__(self, n: int, profile: Profile, cfg: AdmissionConfig, seed: int,
+                 clock: Callable[[], float]) -> None:  # fmt: skip
+        records = [schema.ReplicaRecord(str(i), f"http://sim/{i}", "shared") for i in range(n)]
+        self._states = [ReplicaState(record=rec, version=SIM_VERSION) for rec in records]
+        self.records = records
+        self.version = schema.ModelVersionRecord(
+            version=SIM_VERSION, family="llama-70b", context_length=profile.max_model_len,
+            kv_bytes_per_token=profile.kv_bytes_per_token, tpot_target_ms=profile.tpot_target_ms,
+            kv_capacity_tokens=profile.kv_capacity_tokens, replicas=tuple(records),
+        )  # fmt: skip
         self.rng = random.Random(seed)
-        self.turn = 0
-        self.ids = [str(i) for i in range(n)]
+        self.router = Router(self, self.rng, config=cfg, clock=clock)
 
-    def views(self) -> list[ReplicaView]:
-        ids, occ, inf, cap = self.ids, self.occ, self.inflight, self.capacity
-        return [
-            ReplicaView(ids[i], "shared", float(occ[i]), int(inf[i]), cap)
-            for i in np.flatnonzero(self.healthy)
-        ]
+    # ReplicaSource, as gateway.replicas.ReplicaRegistry provides it.
+    def states(self, version: str) -> list[ReplicaState]:
+        return self._states
+
+    def state(self, replica_id: str) -> ReplicaState | None:
+        return self._states[int(replica_id)]
 
 
 class _Replica:
@@ -200,8 +208,9 @@ class FleetSim:
         self.kv_bytes = profile.kv_bytes_per_token
         self.adm = cfg.admission()
         self.replicas = [_Replica(i, profile, cfg.seed * 7919 + i) for i in range(cfg.replicas)]
+        self.now = 0.0
         self.gws = [
-            _Gateway(cfg.replicas, profile.kv_capacity_bytes, cfg.seed * 1000 + g)
+            _Gateway(cfg.replicas, profile, self.adm, cfg.seed * 1000 + g, lambda: self.now)
             for g in range(cfg.gateways)
         ]
         self.rng = random.Random(cfg.seed)
@@ -283,23 +292,25 @@ class FleetSim:
         self._tick["arrivals"] += 1
         if is_retry:
             self._tick["retries"] += 1
-        gw = self.gws[self.rng.randrange(cfg.gateways)]
+        g = self.rng.randrange(cfg.gateways)
+        gw = self.gws[g]
         if cfg.r6:
             admitted, retries = self._retry_counts(now)
             storm = in_retry_storm(admitted, retries, self.adm)
             if sheds_retry(is_retry, r.tenant_class, storm):  # type: ignore[arg-type]
                 self._reject(r, now, storm_retry_after_ms(self.adm, gw.rng) / 1000)
                 return
-        view = route(gw.views(), r.tenant_class, self.adm, gw.rng, turn=gw.turn)  # type: ignore[arg-type]
-        gw.turn += 1
-        if view is None:
+        # The gateway's optimistic in-flight charge (gateway/admission.py): prompt + max output.
+        est_bytes = (r.prompt + r.output) * self.kv_bytes
+        record = gw.router.choose(gw.version, r.tenant_class, est_bytes)
+        if record is None:
             if cfg.r6:
                 wait = capacity_retry_after_ms(self.adm, gw.rng) / 1000
             else:
                 wait = cfg.unjittered_retry_after_s
             self._reject(r, now, wait)
             return
-        idx = int(view.replica_id)
+        idx = int(record.replica_id)
         rep = self.replicas[idx]
         self.window.append((now, is_retry))
         if not rep.alive:
@@ -308,8 +319,8 @@ class FleetSim:
             self._tick["errors"] += 1
             self._client_retry(r, now, status="error")
             return
-        # The gateway's optimistic in-flight charge (gateway/admission.py): prompt + max output.
-        gw.inflight[idx] += (r.prompt + r.output) * self.kv_bytes
+        gw.router.on_dispatch(record, f"{r.rid}.{r.attempt}", est_bytes)
+        r.gateway = g
         r.sent = now
         r.status = "pending"
         r.replica = idx
@@ -347,6 +358,8 @@ class FleetSim:
                 req.handle.first_token = end
         for req in res.finished:
             r = req.handle
+            gw = self.gws[r.gateway]
+            gw.router.on_finish(gw.records[idx], req.request_id)
             r.finished = end
             r.status = "ok"
             r.final = True
@@ -355,23 +368,25 @@ class FleetSim:
 
     def _scrape(self, g: int, now: float) -> None:
         gw = self.gws[g]
-        for i, rep in enumerate(self.replicas):
+        for rep, st in zip(self.replicas, gw._states, strict=True):
             if rep.alive:
-                gw.occ[i] = rep.occupancy
-                gw.failures[i] = 0
-                gw.healthy[i] = True
+                st.kv_usage = rep.occupancy
+                st.running, st.waiting = rep.engine.num_running, rep.engine.num_waiting
+                st.scraped_at, st.failures, st.healthy = now, 0, True
             else:
-                gw.failures[i] += 1
-                if gw.failures[i] >= self.cfg.scrape_failures_unhealthy:
-                    gw.healthy[i] = False
-        gw.inflight[:] = 0
+                st.failures += 1
+                if st.failures >= self.cfg.scrape_failures_unhealthy:
+                    st.healthy = False
         self.push(now + self.cfg.scrape_s, _SCRAPE, g)
 
     def _kill(self, now: float) -> None:
         alive = [r for r in self.replicas if r.alive]
         for rep in alive[: self.cfg.kill_count]:
             for r in rep.kill():
-                # The stream ends with an in-stream error; the client retries at once.
+                # The stream ends with an in-stream error (the gateway's terminal handler
+                # settles it); the client retries at once.
+                gw = self.gws[r.gateway]
+                gw.router.on_finish(gw.records[rep.idx], f"{r.rid}.{r.attempt}")
                 self._tick["errors"] += 1
                 self._client_retry(r, now, status="error")
 
@@ -410,6 +425,7 @@ class FleetSim:
             t, kind, _, payload = heapq.heappop(self.events)
             if t > end:
                 break
+            self.now = t
             while t >= next_sample:
                 self._sample(next_sample)
                 if progress:

@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import dataclasses
 import math
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -413,17 +414,21 @@ def run(cfg: NNConfig, arms: Sequence[str], out: Path, command: str,
     profile = coarse_profile(LLAMA_70B_TP4_H100, cfg.k, cfg.chunk_tokens)
     workdir = cluster.workdir()
     profile_file = cluster.write_profile_file([profile], workdir)
-    redis_url = cluster.bench_redis_url()
     print(f"[noisy_neighbour] {cfg}", flush=True)
     print(f"[noisy_neighbour] replica profile {profile}", flush=True)
-    print(f"[noisy_neighbour] redis {redis_url}; {len(wl.requests)} requests per arm", flush=True)
     results: dict[str, ArmResult] = {}
-    for arm in arms:
-        arm_wl = wl.without_noisy() if arm == "quiet" else wl
-        res = run_arm(arm, cfg, arm_wl, profile, profile_file, redis_url, workdir)
-        results[arm] = res
-        print(f"[noisy_neighbour] arm {arm}: {len(res.outcomes)} measured requests, "
-              f"{res.wall_s:.0f} s wall", flush=True)  # fmt: skip
+    try:
+        with cluster.bench_redis() as redis_url:
+            print(f"[noisy_neighbour] redis {redis_url}; {len(wl.requests)} requests per arm",
+                  flush=True)  # fmt: skip
+            for arm in arms:
+                arm_wl = wl.without_noisy() if arm == "quiet" else wl
+                res = run_arm(arm, cfg, arm_wl, profile, profile_file, redis_url, workdir)
+                results[arm] = res
+                print(f"[noisy_neighbour] arm {arm}: {len(res.outcomes)} measured requests, "
+                      f"{res.wall_s:.0f} s wall", flush=True)  # fmt: skip
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     path = report(results, cfg, specs, profile, out, command)
     print(f"[noisy_neighbour] wrote {path}", flush=True)
     return results
