@@ -57,6 +57,7 @@ class RawResult:
     prompt_tokens: int | None = None
     error: str | None = None
     retry_after_s: float | None = None
+    cut_at: float | None = None  # when the deadline cut it off
 
 
 def _retry_after(headers: aiohttp.typedefs.LooseHeaders) -> float | None:
@@ -154,6 +155,7 @@ class LoadGenerator:
             await self._one(session, spec, res)
         except asyncio.CancelledError:
             res.error = res.error or "cut off at the arm deadline"
+            res.cut_at = asyncio.get_running_loop().time()
             raise
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
             res.error = f"{type(exc).__name__}: {exc}"[:300]
@@ -214,6 +216,8 @@ class LoadGenerator:
                         res.t_first -= t0
                     if res.t_last is not None:
                         res.t_last -= t0
+                    if res.cut_at is not None:
+                        res.cut_at -= t0
         return [r for r in results if r.t_sent or r.status or r.error]
 
 
@@ -225,6 +229,10 @@ def to_outcome(raw: RawResult, admission_class: str, speed: float) -> Outcome:
         ttft = (raw.t_first - raw.t_sent) * speed
         if raw.t_last is not None and tokens > 1:
             tpot = (raw.t_last - raw.t_first) * speed / (tokens - 1)
+    elif raw.cut_at is not None:
+        # Cut off before its first token: its TTFT is at least the wait so far (a lower
+        # bound that keeps the worst requests in the TTFT percentiles).
+        ttft = (raw.cut_at - raw.t_sent) * speed
     return Outcome(
         request_id=raw.spec.request_id,
         tenant_id=raw.spec.tenant_id,

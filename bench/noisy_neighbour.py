@@ -268,7 +268,7 @@ def _real_outcome(raw: RawResult, cls: str, cfg: NNConfig, real: RequestSpec) ->
     earlier, so TTFT is corrected by (k-1) x this request's real TPOT.
     """
     o = to_outcome(raw, cls, cfg.speed)
-    if o.error and raw.t_first is not None and "cut off" in o.error:
+    if o.error and raw.t_first is not None and raw.cut_at is not None:
         o.error = None  # still streaming at the cut-off: judged on what it delivered so far
     if o.tpot_s is not None:
         o.tpot_s /= cfg.k

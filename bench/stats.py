@@ -95,7 +95,8 @@ class GroupStats:
             refused_429=n429,
             refused_503=n503,
             failed=len(outcomes) - len(done) - n429 - n503,
-            ttft=Dist.of(o.ttft_s for o in done),
+            # Requests cut off before their first token count with their wait so far.
+            ttft=Dist.of(o.ttft_s for o in outcomes if o.ttft_s is not None),
             tpot=Dist.of(o.tpot_s for o in done),
             attainment=(len(good) / len(outcomes)) if outcomes else math.nan,
             goodput_rps=len(good) / duration_s if duration_s > 0 else math.nan,
