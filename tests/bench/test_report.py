@@ -1,0 +1,52 @@
+"""Report helpers: censored TTFTs, the prefill-shadow attribution, target checks."""
+
+from __future__ import annotations
+
+from bench.loadgen import RawResult, to_outcome
+from bench.nn_report import prefill_shadow, targets
+from bench.noisy_neighbour import ArmResult, NNConfig, tenants
+from bench.stats import GroupStats, Outcome
+from bench.workload import RequestSpec
+
+
+def _spec(rid: str = "std-1-00001") -> RequestSpec:
+    return RequestSpec(rid, "std-1", 1.0, 800, 300, 1)
+
+
+def test_cut_off_before_first_token_counts_its_wait_as_ttft_lower_bound() -> None:
+    raw = RawResult(spec=_spec(), status=0, t_sent=1.0, error="cut off", cut_at=4.0)
+    o = to_outcome(raw, "standard", speed=3.0)
+    assert o.ttft_s == 9.0 and not o.completed and not o.met_slo()
+    g = GroupStats.of("t", [o], duration_s=10.0)
+    assert g.ttft.n == 1 and g.failed == 1 and g.attainment == 0.0
+
+
+def test_streamed_request_timings_in_model_time() -> None:
+    raw = RawResult(spec=_spec(), status=200, t_sent=1.0, t_first=1.1, t_last=2.1, chunks=11)
+    o = to_outcome(raw, "standard", speed=2.0)
+    assert abs(o.ttft_s - 0.2) < 1e-9 and abs(o.tpot_s - 0.2) < 1e-9  # type: ignore[operator]
+    assert o.completion_tokens == 11 and o.completed
+
+
+def _o(tid: str, sent: float, ttft: float | None, status: int = 200) -> Outcome:
+    return Outcome(f"{tid}-{sent}", tid, "standard", status, sent, ttft, 0.03, 10)
+
+
+def test_prefill_shadow_compares_requests_after_an_admitted_128k_prompt() -> None:
+    specs = tenants(NNConfig())
+    outs = [_o("noisy", 10.0, 5.0), _o("noisy", 30.0, None, status=429)]
+    outs += [_o("std-1", 11.0, 2.0), _o("std-1", 12.0, 0.3)]  # in the shadow: 1 of 2 slow
+    outs += [_o("std-2", 20.0 + i, 0.2) for i in range(4)]  # outside: none slow
+    res = ArmResult("c", outs, {}, 0.0, 1.0, 100.0)
+    text = prefill_shadow(res, specs)
+    assert "1 noisy 128k requests were admitted" in text
+    assert "50.0 % had TTFT ≥ 1 s (2 requests)" in text and "0.0 % of the rest (4)" in text
+
+
+def test_targets_report_each_tenant_against_quiet() -> None:
+    specs = tenants(NNConfig())
+    quiet = ArmResult("quiet", [_o("std-1", float(i), 0.5) for i in range(20)], {}, 0, 1, 10)
+    worse = ArmResult("c", [_o("std-1", float(i), 0.9) for i in range(20)], {}, 0, 1, 10)
+    lines, verdicts = targets({"quiet": quiet, "c": worse}, specs)
+    assert any("std-1" in line and "1.80×" in line for line in lines)
+    assert verdicts["every non-noisy tenant holds both SLOs within 10 % of quiet p95"] is False
