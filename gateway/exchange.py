@@ -106,6 +106,8 @@ class Exchange:
         self.response_done = False
         self.client_gone = False
         self.stored = False
+        self.dispatched_at = 0.0
+        self.added_observed = False
         self._terminated = False
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -166,7 +168,8 @@ class Exchange:
             priority=self.ticket.priority,
             tenant_id=self.principal.tenant.tenant_id,
         )
-        self.gw.metrics.preflight.observe(time.monotonic() - self.tracker.started)
+        self.dispatched_at = time.monotonic()
+        self.gw.metrics.preflight.observe(self.dispatched_at - self.tracker.started)
         try:
             return await gw.upstream.open(replica, body, self.request_id)
         except UpstreamStatusError as exc:
@@ -297,15 +300,26 @@ class Exchange:
                 self.capture.append(chunk)
             # Awaiting the send is the backpressure: a slow reader slows the upstream read.
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if not self.added_observed and tracker.first_token_at is not None:
+                self._observe_added(tracker.first_token_at)
         return ended
+
+    def _observe_added(self, upstream_event_at: float) -> None:
+        """The gateway's own share of the client's latency: its time before the upstream
+        request left, plus its time from the upstream's first token (streaming) or last
+        event (JSON) to handing the bytes to the client's socket."""
+        self.added_observed = True
+        preflight = self.dispatched_at - self.tracker.started
+        self.gw.metrics.added.observe(preflight + time.monotonic() - upstream_event_at)
 
     async def _relay_json(self, response: UpstreamResponse, send: Send) -> None:
         tracker = self.tracker
         replica_id = self.ticket.replica.replica_id
+        done_at = time.monotonic()
         batches = sse_data(response.chunks())
         try:
             async for batch in batches:
-                now = time.monotonic()
+                now = done_at = time.monotonic()
                 for data in batch:
                     kind = tracker.observe(data, now)
                     if kind == ERROR:
@@ -336,6 +350,7 @@ class Exchange:
         headers += [(b"content-type", JSON), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+        self._observe_added(done_at)
         await self._drain(batches)
 
     async def _store(self, kind: bytes, body: bytes) -> None:

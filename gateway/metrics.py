@@ -58,6 +58,13 @@ class GatewayMetrics:
             buckets=OVERHEAD_BUCKETS,
             registry=r,
         )
+        self.added = Histogram(
+            "fairway_gateway_added_seconds",
+            "Gateway's own time in a request's latency: before the upstream send, plus from "
+            "the upstream's first token (SSE) or end (JSON) to the client's socket.",
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        )
         self.upstream_errors = Counter(
             "fairway_gateway_upstream_errors",
             "Failures talking to replicas.",

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +63,9 @@ class UsageEvent:
     is_retry: bool
 
     def to_json(self) -> bytes:
-        payload: dict[str, Any] = asdict(self)
-        payload["schema_version"] = USAGE_SCHEMA_VERSION
-        return orjson.dumps(payload)
+        # orjson serialises a dataclass natively (dataclasses.asdict would cost ~100 µs);
+        # the schema version goes first so that a reader can branch before parsing on.
+        return b'{"schema_version":%d,' % USAGE_SCHEMA_VERSION + orjson.dumps(self)[1:]
 
 
 class Spool:

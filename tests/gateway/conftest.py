@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -291,6 +291,21 @@ def start_gateway(
         gw.terminate(5)
         raise
     return gw
+
+
+@pytest.fixture
+def gateways(tmp_path: Path, redis_url: str) -> Iterator[Callable[..., GatewayProcess]]:
+    """Start gateway processes for one test; whatever happens, none outlives it."""
+    started: list[GatewayProcess] = []
+
+    def start(kafka: str | None, **kwargs: Any) -> GatewayProcess:
+        gw = start_gateway(tmp_path, redis_url, kafka, **kwargs)
+        started.append(gw)
+        return gw
+
+    yield start
+    for gw in started:
+        gw.terminate(10)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -27,7 +26,6 @@ from tests.gateway.conftest import (
     replica_healthy,
     replica_metric,
     set_faults,
-    start_gateway,
     wait_until,
 )
 
@@ -511,14 +509,13 @@ def test_idempotency_conflict_while_in_flight_and_retry_after_failure(
 
 
 def test_sigterm_drains_in_flight_streams_then_exits(
-    tmp_path: Path,
-    redis_url: str,
+    gateways: Callable[..., GatewayProcess],
     kafka_bootstrap: str,
     seeder: ReadModelSeeder,
     slow_replica: SpawnedEmulator,
     usage_log: UsageLog,
 ) -> None:
-    gw = start_gateway(tmp_path, redis_url, kafka_bootstrap, workers=2)
+    gw = gateways(kafka_bootstrap, workers=2)
     tenant = seeder.tenant(families=(SLOW,), max_output=2000)
     data: list[str] = []
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -16,11 +16,11 @@ from fairway.embedded import wait_for_port
 from gateway.metrics import GatewayMetrics
 from gateway.usage import Spool, UsageEvent, UsageProducer
 from tests.gateway.conftest import (
+    GatewayProcess,
     ReadModelSeeder,
     Tenant,
     UsageLog,
     free_port,
-    start_gateway,
     wait_until,
 )
 from tests.gateway.tcpproxy import TcpProxy
@@ -140,8 +140,7 @@ def _request(client: httpx.Client, secret: str, stream: bool) -> str:
 
 
 def test_broker_outage_mid_load_loses_no_event(
-    tmp_path: Path,
-    redis_url: str,
+    gateways: Callable[..., GatewayProcess],
     seeder: ReadModelSeeder,
     replica: SpawnedEmulator,
     broker: tuple[str, TcpProxy],
@@ -149,7 +148,7 @@ def test_broker_outage_mid_load_loses_no_event(
     bootstrap, proxy = broker
     seeder.set_replicas([("r1", replica.base_url)])
     tenant = seeder.tenant()
-    gw = start_gateway(tmp_path, redis_url, bootstrap)
+    gw = gateways(bootstrap)
     ids: list[str] = []
     errors: list[BaseException] = []
     stop = threading.Event()
@@ -206,7 +205,7 @@ def test_broker_outage_mid_load_loses_no_event(
 
 def test_restarted_gateway_resumes_the_spool(
     tmp_path: Path,
-    redis_url: str,
+    gateways: Callable[..., GatewayProcess],
     seeder: ReadModelSeeder,
     replica: SpawnedEmulator,
     broker: tuple[str, TcpProxy],
@@ -217,13 +216,13 @@ def test_restarted_gateway_resumes_the_spool(
     spool_dir = tmp_path / "spool"
     proxy.down()
     try:
-        first = start_gateway(tmp_path, redis_url, bootstrap, spool_dir=spool_dir)
+        first = gateways(bootstrap, spool_dir=spool_dir)
         with httpx.Client(base_url=first.base_url, timeout=30) as client:
             ids = [_request(client, tenant.secret, stream=bool(i % 2)) for i in range(4)]
         assert first.terminate() == 0
         files = list(spool_dir.glob("usage-*.spool"))
         assert len(files) == 1 and files[0].read_bytes().count(b"\n") == 4
-        second = start_gateway(tmp_path, redis_url, bootstrap, spool_dir=spool_dir)
+        second = gateways(bootstrap, spool_dir=spool_dir)
     finally:
         proxy.up()
     log = UsageLog(bootstrap)

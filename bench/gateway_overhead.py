@@ -1,0 +1,491 @@
+"""Scenario 2 — gateway overhead: what does putting Fairway's gateway in the path cost?
+
+The same offered load (an open-loop Poisson schedule) is sent straight to an emulated
+replica and through ``python -m gateway`` in front of that replica, with everything on:
+API-key auth, validation, admission (quota in Redis, routing), the upstream relay, and one
+usage event per request to the embedded Kafka-compatible broker through the fsync'd spool.
+
+Two measures of the added latency:
+
+- client side: the difference of the latency distributions (direct vs via the gateway), for
+  streaming (time to first token, and to the end of the stream) and JSON requests. The two
+  arms alternate in short slices so that whatever else runs on the machine weighs on both;
+- server side: the gateway's ``fairway_gateway_added_seconds`` histogram — its time before
+  the upstream request leaves plus its time from the upstream's first token (SSE) or last
+  event (JSON) to the client's socket — which is blind to the extra loopback hop but not
+  to other processes' noise.
+
+Then a sweep with one gateway worker raises the streaming rate until the client-side p99
+time to first token through the gateway passes 100 ms: the highest rate one worker
+sustains. CPU per request is the gateway processes' user+system CPU over the requests they
+served.
+
+Everything runs on this machine's cores (replica, gateway, load generator, Redis and broker
+share them), so these are the figures of this box under whatever else it was running (the
+load average is in the report), not those of a dedicated host.
+
+``python -m bench.gateway_overhead`` writes bench/results/gateway_overhead.md (< 3 min).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+import numpy as np
+import orjson
+import redis
+
+from bench import cluster
+from emulator.testing import spawn_emulator
+from fairway.embedded import EmbeddedServices
+from gateway import schema
+from gateway.replicas import histogram_quantile
+
+RESULTS = Path(__file__).parent / "results"
+PROFILE = "llama-8b-tp1-h100"
+FAMILY = "llama-8b"
+VERSION = "llama-8b-2026-05"
+TENANT = "bench-overhead"
+TTFT_LIMIT_S = 0.100
+ADDED = "fairway_gateway_added_seconds_bucket"
+
+
+# -- load -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Sample:
+    status: int = 0
+    ttft: float | None = None  # first content token (streaming) or the whole body (JSON)
+    total: float | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Arm:
+    name: str
+    rate: float
+    stream: bool
+    samples: list[Sample] = field(default_factory=list)
+    cpu_s: float = 0.0  # gateway CPU seconds over the arm
+    wall_s: float = 0.0
+    added: dict[float, float] = field(default_factory=dict)  # server-side histogram delta
+
+    @property
+    def ok(self) -> list[Sample]:
+        return [s for s in self.samples if s.status == 200 and s.error is None]
+
+    @property
+    def errors(self) -> int:
+        return len(self.samples) - len(self.ok)
+
+    def quantile(self, attr: str, q: float) -> float:
+        values = [getattr(s, attr) for s in self.ok if getattr(s, attr) is not None]
+        return float(np.quantile(values, q)) if values else float("nan")
+
+    def added_quantile(self, q: float) -> float:
+        bounds = tuple(sorted(self.added))
+        value = histogram_quantile(q, bounds, (self.added[b] for b in bounds)) if bounds else None
+        return float("nan") if value is None else value
+
+
+def body(i: int, stream: bool, max_tokens: int) -> bytes:
+    # A unique prompt per request: no prefix-cache hits to tilt either arm.
+    return orjson.dumps(
+        {
+            "model": VERSION,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": stream,
+            "messages": [{"role": "user", "content": f"request {i}: tell me a short story"}],
+        }
+    )
+
+
+async def one(
+    session: aiohttp.ClientSession,
+    url: str,
+    data: bytes,
+    headers: dict[str, str],
+    stream: bool,
+    sample: Sample,
+) -> None:
+    clock = time.perf_counter  # uvloop's loop.time() only has millisecond resolution
+    t0 = clock()
+    try:
+        async with session.post(url, data=data, headers=headers) as resp:
+            sample.status = resp.status
+            if not stream or resp.status != 200:
+                await resp.read()
+                sample.ttft = sample.total = clock() - t0
+                return
+            async for line in resp.content:
+                if sample.ttft is None and b'"content":"' in line and b'"content":""' not in line:
+                    sample.ttft = clock() - t0
+                if line.startswith(b"data: [DONE]"):
+                    break
+                if line.startswith(b'data: {"error"'):
+                    sample.error = line[:200].decode()
+            sample.total = clock() - t0
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        sample.error = f"{type(exc).__name__}: {exc}"[:200]
+
+
+async def offer(
+    session: aiohttp.ClientSession,
+    url: str,
+    headers: dict[str, str],
+    rate: float,
+    duration_s: float,
+    stream: bool,
+    max_tokens: int,
+    seed: int,
+) -> list[Sample]:
+    """Open loop: requests leave on a Poisson schedule whatever happened to earlier ones."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * duration_s * 1.5) + 10))
+    arrivals = arrivals[arrivals < duration_s]
+    samples = [Sample() for _ in arrivals]
+    headers = {"content-type": "application/json", **headers}
+    tasks = []
+    t0 = time.perf_counter()
+    for i, (at, sample) in enumerate(zip(arrivals, samples, strict=True)):
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        data = body(seed * 1_000_000 + i, stream, max_tokens)
+        tasks.append(asyncio.create_task(one(session, url, data, headers, stream, sample)))
+    await asyncio.gather(*tasks)
+    return samples
+
+
+def session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
+        timeout=aiohttp.ClientTimeout(total=60, sock_connect=5),
+    )
+
+
+# -- measuring the gateway ------------------------------------------------------------------
+
+
+def process_tree(pid: int) -> list[int]:
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            pids += process_tree(int(child))
+    return pids
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def added_buckets(base_url: str) -> dict[float, float]:
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith(ADDED + "{"):
+            at = line.index('le="') + 4
+            le = float(line[at : line.index('"', at)])
+            buckets[le] = buckets.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+    return buckets
+
+
+class GatewayProbe:
+    """CPU and server-side histogram deltas of a gateway across measured slices."""
+
+    def __init__(self, gw: cluster.Gateway) -> None:
+        self.gw = gw
+        self.pids = process_tree(gw.proc.pid)
+
+    def __enter__(self) -> GatewayProbe:
+        self.cpu0 = cpu_seconds(self.pids)
+        self.hist0 = added_buckets(self.gw.base_url)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cpu = cpu_seconds(self.pids) - self.cpu0
+        hist1 = added_buckets(self.gw.base_url)
+        self.added = {le: hist1[le] - self.hist0.get(le, 0.0) for le in hist1}
+
+
+async def interleaved(
+    s: aiohttp.ClientSession,
+    direct_url: str,
+    gw: cluster.Gateway,
+    auth: dict[str, str],
+    args: argparse.Namespace,
+    stream: bool,
+) -> tuple[Arm, Arm]:
+    mode = "SSE" if stream else "JSON"
+    direct = Arm(f"{mode} direct", args.rate, stream)
+    via = Arm(f"{mode} via gateway", args.rate, stream)
+    via_url = gw.base_url + "/v1/chat/completions"
+    for k in range(args.slices):
+        started = time.perf_counter()
+        direct.samples += await offer(
+            s, direct_url, {}, args.rate, args.slice_s, stream, args.max_tokens, seed=2 * k + 1
+        )
+        direct.wall_s += time.perf_counter() - started
+        started = time.perf_counter()
+        with GatewayProbe(gw) as probe:
+            via.samples += await offer(
+                s, via_url, auth, args.rate, args.slice_s, stream, args.max_tokens, seed=2 * k + 1
+            )
+        via.wall_s += time.perf_counter() - started
+        via.cpu_s += probe.cpu
+        for le, count in probe.added.items():
+            via.added[le] = via.added.get(le, 0.0) + count
+    return direct, via
+
+
+def seed(redis_url: str, replica_url: str) -> str:
+    client = redis.Redis.from_url(redis_url)
+    limit = schema.LimitRecord(
+        rpm=10_000_000,
+        tpm=10_000_000_000,
+        max_context=8192,
+        max_output=1024,
+        kv_seconds_cap=10_000_000,
+        reserved_kv=0,
+    )
+    tenant = schema.TenantRecord(
+        tenant_id=TENANT,
+        name=TENANT,
+        plan="standard",
+        admission_class="standard",
+        suspended=False,
+        limits={FAMILY: limit},
+    )
+    version = schema.ModelVersionRecord(
+        version=VERSION,
+        family=FAMILY,
+        context_length=131_072,
+        kv_bytes_per_token=128 * 1024,
+        tpot_target_ms=50,
+        kv_capacity_tokens=440_000,
+        replicas=(schema.ReplicaRecord("r0", replica_url, "shared"),),
+    )
+    catalog = schema.Catalog(families={FAMILY: VERSION}, versions={VERSION: version})
+    seed_tenant = cluster.TenantSeed(tenant, cluster.api_key_for(TENANT))
+    cluster.seed_read_model(client, [seed_tenant], catalog)
+    client.close()
+    return seed_tenant.secret
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+def ms(value: float) -> str:
+    return "n/a" if value != value else f"{value * 1000:.2f}"  # noqa: PLR0124 - NaN check
+
+
+def per_request(arm: Arm) -> str:
+    return f"{arm.cpu_s / max(1, len(arm.ok)) * 1000:.2f} ms"
+
+
+def render(
+    args: argparse.Namespace,
+    pairs: list[tuple[Arm, Arm]],
+    sweep: list[Arm],
+    sustained: float | None,
+    took_s: float,
+    load: tuple[float, float],
+) -> str:
+    lines = [
+        "# Gateway overhead",
+        "",
+        f"Command: `python -m bench.gateway_overhead` (took {took_s:.0f} s). Machine: "
+        f"{os.cpu_count()} cores, {platform.python_implementation()} "
+        f"{platform.python_version()}; 1-minute load average {load[0]:.1f} at the start, "
+        f"{load[1]:.1f} at the end (other work on the machine shares its cores).",
+        "",
+        f"One emulated replica (`{PROFILE}`, `--speed 1`: real-time token pacing, "
+        f"{args.max_tokens} output tokens per request with `ignore_eos`), loaded straight and "
+        "through `python -m gateway` in front of it with API-key auth, validation, admission "
+        "(quota in Redis, routing), relay and a usage event per request to the embedded "
+        "Kafka-compatible broker through the fsync'd spool. Open-loop Poisson arrivals; the "
+        f"direct and gateway arms alternate in {args.slices} slices of {args.slice_s:.0f} s.",
+        "",
+        f"## Added latency at {args.rate:.0f} requests/s (gateway with {args.workers} workers)",
+        "",
+        "Client side: via the gateway − direct, per quantile. Server side: the gateway's own "
+        "time in each request (`fairway_gateway_added_seconds`: before the upstream send, plus "
+        "first token — or, for JSON, the end — to the client's socket).",
+        "",
+        "| mode | measure | direct (ms) | via gateway (ms) | added, client side (ms) |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for direct, via in pairs:
+        measures = [("ttft", "time to first token")] if direct.stream else []
+        measures.append(("total", "end of stream" if direct.stream else "whole JSON response"))
+        for attr, label in measures:
+            for q, qn in ((0.5, "p50"), (0.99, "p99")):
+                d, g = direct.quantile(attr, q), via.quantile(attr, q)
+                lines.append(
+                    f"| {'SSE' if direct.stream else 'JSON'} | {label} {qn} | {ms(d)} "
+                    f"| {ms(g)} | **{ms(g - d)}** |"
+                )
+    lines += [
+        "",
+        "| mode | requests (direct / via) | errors | server-side added p50 | p99 | "
+        "gateway CPU per request |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for direct, via in pairs:
+        lines.append(
+            f"| {'SSE' if direct.stream else 'JSON'} | {len(direct.samples)} / "
+            f"{len(via.samples)} | {direct.errors} / {via.errors} | "
+            f"{ms(via.added_quantile(0.5))} ms | {ms(via.added_quantile(0.99))} ms | "
+            f"{per_request(via)} |"
+        )
+    lines += [
+        "",
+        "## Highest streaming rate one gateway worker sustains",
+        "",
+        f"`--workers 1`, rising offered rate, {args.sweep_s:.0f} s per step; a step passes "
+        f"while the client-side p99 time to first token through the gateway stays ≤ "
+        f"{TTFT_LIMIT_S * 1000:.0f} ms with no errors.",
+        "",
+        "| offered req/s | completed | errors | TTFT p50 (ms) | TTFT p99 (ms) | server-side "
+        "added p99 (ms) | CPU per request | worker CPU busy |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for arm in sweep:
+        lines.append(
+            f"| {arm.rate:.0f} | {len(arm.ok)} | {arm.errors} | {ms(arm.quantile('ttft', 0.5))} "
+            f"| {ms(arm.quantile('ttft', 0.99))} | {ms(arm.added_quantile(0.99))} "
+            f"| {per_request(arm)} | {arm.cpu_s / max(arm.wall_s, 1e-9) * 100:.0f} % |"
+        )
+    lines += [
+        "",
+        (
+            f"**Sustained: {sustained:.0f} streaming requests/s per worker** (the last "
+            "step that passed)."
+            if sustained
+            else "No step passed."
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# -- main ---------------------------------------------------------------------------------
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    services = EmbeddedServices()
+    gateways: list[cluster.Gateway] = []
+    try:
+        redis_url = services.start_redis()
+        env = {"KAFKA_BOOTSTRAP": services.start_kafka()}
+        workdir = cluster.workdir()
+        with spawn_emulator(PROFILE, VERSION, 1.0, log_level="error") as replica:
+            auth = {"authorization": f"Bearer {seed(redis_url, replica.base_url)}"}
+            direct_url = replica.base_url + "/v1/chat/completions"
+            gw = cluster.start_gateway(redis_url, args.workers, env, workdir)
+            gateways.append(gw)
+            async with session() as s:
+                # Warm both paths (connections, caches, first-touch costs).
+                await offer(s, direct_url, {}, 50, 1.0, True, 4, seed=99)
+                await offer(s, gw.base_url + "/v1/chat/completions", auth, 50, 1.0, True, 4, 99)
+                pairs = []
+                for stream in (True, False):
+                    print(
+                        f"{'SSE' if stream else 'JSON'} at {args.rate:.0f} req/s: direct and "
+                        "via the gateway, alternating",
+                        flush=True,
+                    )
+                    pairs.append(await interleaved(s, direct_url, gw, auth, args, stream))
+            gw.stop()
+            gateways.remove(gw)
+
+            one = cluster.start_gateway(redis_url, 1, env, workdir)
+            gateways.append(one)
+            via_url = one.base_url + "/v1/chat/completions"
+            sweep: list[Arm] = []
+            sustained = None
+            async with session() as s:
+                await offer(s, via_url, auth, 50, 1.0, True, 4, seed=98)
+                rate = args.sweep_start
+                while rate <= args.sweep_max and time.perf_counter() - started < args.budget_s:
+                    print(f"sweep: {rate:.0f} req/s through one worker", flush=True)
+                    arm = Arm(f"sweep {rate:.0f}", rate, True)
+                    t0 = time.perf_counter()
+                    with GatewayProbe(one) as probe:
+                        arm.samples = await offer(
+                            s, via_url, auth, rate, args.sweep_s, True, args.max_tokens, seed=7
+                        )
+                    arm.wall_s, arm.cpu_s, arm.added = (
+                        time.perf_counter() - t0,
+                        probe.cpu,
+                        probe.added,
+                    )
+                    sweep.append(arm)
+                    if arm.errors or arm.quantile("ttft", 0.99) > TTFT_LIMIT_S:
+                        break
+                    sustained = rate
+                    rate += args.sweep_step
+        report = render(
+            args,
+            pairs,
+            sweep,
+            sustained,
+            time.perf_counter() - started,
+            (load_start, os.getloadavg()[0]),
+        )
+        RESULTS.mkdir(exist_ok=True)
+        out = RESULTS / "gateway_overhead.md"
+        out.write_text(report)
+        print(report)
+        print(f"wrote {out}")
+        return 0
+    finally:
+        for gw in gateways:
+            gw.stop()
+        services.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway_overhead")
+    parser.add_argument("--rate", type=float, default=200.0, help="requests/s of the comparison")
+    parser.add_argument("--slices", type=int, default=5)
+    parser.add_argument("--slice-s", type=float, default=2.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--sweep-start", type=float, default=100.0)
+    parser.add_argument("--sweep-step", type=float, default=50.0)
+    parser.add_argument("--sweep-max", type=float, default=1000.0)
+    parser.add_argument("--sweep-s", type=float, default=5.0)
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=150.0,
+        help="stop the sweep once the whole run has taken this long",
+    )
+    args = parser.parse_args(argv)
+    import uvloop
+
+    return uvloop.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
