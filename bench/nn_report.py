@@ -100,8 +100,15 @@ def targets(
     if ent is not None:
         ok = ent.attainment >= 0.999
         verdicts["enterprise attainment >= 99.9 %"] = ok
+        misses = [o for o in results["c"].outcomes if o.tenant_id == "ent" and not o.met_slo()]
+        detail = "; ".join(
+            f"prompt {o.prompt_tokens:,} tokens, TTFT {fmt_ms(o.ttft_s or math.nan)} ms, "
+            f"TPOT {fmt_ms(o.tpot_s or math.nan)} ms, status {o.status}"
+            for o in misses[:5]
+        )
         lines.append(f"- {_mark(ok)} enterprise attainment {fmt_pct(ent.attainment, 2)} "
-                     f"({ent.sent} requests) — target ≥ 99.9 %")  # fmt: skip
+                     f"({ent.sent} requests) — target ≥ 99.9 %"
+                     + (f". Misses: {detail}" if misses else ""))  # fmt: skip
     free = tc.get("free")
     if free is not None:
         ok = free.goodput_rps > 0
