@@ -76,7 +76,8 @@ def banner(env: dict[str, str]) -> str:
         f"  Redis: {env['REDIS_URL']}   Kafka: {env['KAFKA_BOOTSTRAP']}",
         "  Try: curl -N http://127.0.0.1:8080/v1/chat/completions \\",
         '         -H "Authorization: Bearer $KEY" -H "Content-Type: application/json" \\',
-        """         -d '{"model":"llama-8b","stream":true,"messages":[{"role":"user","content":"hi"}]}'""",
+        "         -d '{\"model\":\"llama-8b\",\"stream\":true,"
+        "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'",
         "  Ctrl-C stops everything.",
         "",
     ]
