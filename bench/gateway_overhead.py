@@ -303,7 +303,7 @@ def per_request(arm: Arm) -> str:
 
 def render(
     args: argparse.Namespace,
-    pairs: list[tuple[Arm, Arm]],
+    comparisons: dict[int, list[tuple[Arm, Arm]]],
     sweep: list[Arm],
     sustained: float | None,
     took_s: float,
@@ -324,11 +324,21 @@ def render(
         "Kafka-compatible broker through the fsync'd spool. Open-loop Poisson arrivals; the "
         f"direct and gateway arms alternate in {args.slices} slices of {args.slice_s:.0f} s.",
         "",
-        f"## Added latency at {args.rate:.0f} requests/s (gateway with {args.workers} workers)",
-        "",
         "Client side: via the gateway − direct, per quantile. Server side: the gateway's own "
         "time in each request (`fairway_gateway_added_seconds`: before the upstream send, plus "
-        "first token — or, for JSON, the end — to the client's socket).",
+        "first token — or, for JSON, the end — to the client's socket); the client side also "
+        "pays the extra loopback hop and the wait for a core on a machine this busy.",
+    ]
+    for workers, pairs in comparisons.items():
+        lines += comparison(args, workers, pairs)
+    lines += sweep_section(args, sweep, sustained)
+    return "\n".join(lines) + "\n"
+
+
+def comparison(args: argparse.Namespace, workers: int, pairs: list[tuple[Arm, Arm]]) -> list[str]:
+    lines = [
+        "",
+        f"## Added latency at {args.rate:.0f} requests/s, gateway `--workers {workers}`",
         "",
         "| mode | measure | direct (ms) | via gateway (ms) | added, client side (ms) |",
         "|---|---|---:|---:|---:|",
@@ -356,7 +366,11 @@ def render(
             f"{ms(via.added_quantile(0.5))} ms | {ms(via.added_quantile(0.99))} ms | "
             f"{per_request(via)} |"
         )
-    lines += [
+    return lines
+
+
+def sweep_section(args: argparse.Namespace, sweep: list[Arm], sustained: float | None) -> list[str]:
+    lines = [
         "",
         "## Highest streaming rate one gateway worker sustains",
         "",
@@ -368,12 +382,12 @@ def render(
         "added p99 (ms) | CPU per request | worker CPU busy |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for arm in sweep:
-        lines.append(
-            f"| {arm.rate:.0f} | {len(arm.ok)} | {arm.errors} | {ms(arm.quantile('ttft', 0.5))} "
-            f"| {ms(arm.quantile('ttft', 0.99))} | {ms(arm.added_quantile(0.99))} "
-            f"| {per_request(arm)} | {arm.cpu_s / max(arm.wall_s, 1e-9) * 100:.0f} % |"
-        )
+    lines.extend(
+        f"| {arm.rate:.0f} | {len(arm.ok)} | {arm.errors} | {ms(arm.quantile('ttft', 0.5))} "
+        f"| {ms(arm.quantile('ttft', 0.99))} | {ms(arm.added_quantile(0.99))} "
+        f"| {per_request(arm)} | {arm.cpu_s / max(arm.wall_s, 1e-9) * 100:.0f} % |"
+        for arm in sweep
+    )
     lines += [
         "",
         (
@@ -383,7 +397,7 @@ def render(
             else "No step passed."
         ),
     ]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 # -- main ---------------------------------------------------------------------------------
@@ -401,22 +415,25 @@ async def main_async(args: argparse.Namespace) -> int:
         with spawn_emulator(PROFILE, VERSION, 1.0, log_level="error") as replica:
             auth = {"authorization": f"Bearer {seed(redis_url, replica.base_url)}"}
             direct_url = replica.base_url + "/v1/chat/completions"
-            gw = cluster.start_gateway(redis_url, args.workers, env, workdir)
-            gateways.append(gw)
-            async with session() as s:
-                # Warm both paths (connections, caches, first-touch costs).
-                await offer(s, direct_url, {}, 50, 1.0, True, 4, seed=99)
-                await offer(s, gw.base_url + "/v1/chat/completions", auth, 50, 1.0, True, 4, 99)
-                pairs = []
-                for stream in (True, False):
-                    print(
-                        f"{'SSE' if stream else 'JSON'} at {args.rate:.0f} req/s: direct and "
-                        "via the gateway, alternating",
-                        flush=True,
-                    )
-                    pairs.append(await interleaved(s, direct_url, gw, auth, args, stream))
-            gw.stop()
-            gateways.remove(gw)
+            comparisons: dict[int, list[tuple[Arm, Arm]]] = {}
+            for workers in args.workers:
+                gw = cluster.start_gateway(redis_url, workers, env, workdir)
+                gateways.append(gw)
+                async with session() as s:
+                    # Warm both paths (connections, caches, first-touch costs).
+                    await offer(s, direct_url, {}, 50, 1.0, True, 4, seed=99)
+                    await offer(s, gw.base_url + "/v1/chat/completions", auth, 50, 1.0, True, 4, 99)
+                    pairs = []
+                    for stream in (True, False):
+                        print(
+                            f"--workers {workers}, {'SSE' if stream else 'JSON'} at "
+                            f"{args.rate:.0f} req/s: direct and via the gateway, alternating",
+                            flush=True,
+                        )
+                        pairs.append(await interleaved(s, direct_url, gw, auth, args, stream))
+                    comparisons[workers] = pairs
+                gw.stop()
+                gateways.remove(gw)
 
             one = cluster.start_gateway(redis_url, 1, env, workdir)
             gateways.append(one)
@@ -446,7 +463,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     rate += args.sweep_step
         report = render(
             args,
-            pairs,
+            comparisons,
             sweep,
             sustained,
             time.perf_counter() - started,
@@ -469,7 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=200.0, help="requests/s of the comparison")
     parser.add_argument("--slices", type=int, default=5)
     parser.add_argument("--slice-s", type=float, default=2.0)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--workers",
+        type=lambda v: [int(w) for w in v.split(",")],
+        default=[2, 1],
+        help="gateway worker counts to compare, e.g. 2,1",
+    )
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--sweep-start", type=float, default=100.0)
     parser.add_argument("--sweep-step", type=float, default=50.0)
