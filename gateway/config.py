@@ -120,6 +120,7 @@ class GatewayConfig:
             drain_deadline_s=_float(env, "GATEWAY_DRAIN_DEADLINE_S", 30.0),
             scrape_interval_s=_float(env, "GATEWAY_SCRAPE_INTERVAL_S", 0.25),
             idempotency_ttl_s=_int(env, "GATEWAY_IDEMPOTENCY_TTL_S", 24 * 3600),
+            last_used_flush_s=_float(env, "GATEWAY_LAST_USED_FLUSH_S", 5.0),
             admission=_admission(env),
             admission_redis_timeout_s=_float(env, "GATEWAY_ADMISSION_REDIS_TIMEOUT_S", 0.5),
         )

@@ -118,13 +118,14 @@ class ReadModelSeeder:
         families: tuple[str, ...] = (FAMILY,),
         expires_at: int | None = None,
         admission_class: schema.AdmissionClass = "standard",
+        rpm: int = 100_000,
     ) -> Tenant:
         tenant_id = "t-" + secrets.token_hex(6)
         secret = schema.API_KEY_PREFIX + secrets.token_urlsafe(32)
         key_hash = schema.hash_api_key(secret, DEV_KEY_PEPPER.encode())
         key_id = "k-" + secrets.token_hex(6)
         limit = schema.LimitRecord(
-            rpm=100_000,
+            rpm=rpm,
             tpm=100_000_000,
             max_context=max_context,
             max_output=max_output,
@@ -249,6 +250,7 @@ def start_gateway(
             "FAIRWAY_ENV": "development",
             "PYTHONPATH": str(ROOT),
             "GATEWAY_DRAIN_DEADLINE_S": "20",
+            "GATEWAY_LAST_USED_FLUSH_S": "0.2",
         }
     )
     env.pop("KAFKA_BOOTSTRAP", None)

@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from emulator.testing import SpawnedEmulator, spawn_emulator
+from gateway import schema
 from tests.gateway.conftest import (
     FAMILY,
     PROFILE,
@@ -110,6 +111,13 @@ def test_openai_client_json_and_streaming(
     assert first["schema_version"] == 1 and first["is_retry"] is False
     assert first["started_at"].endswith("+00:00") and first["ttft_ms"] > 0
     assert by_tokens[8]["model"] == VERSION  # a pinned version is billed as asked
+    # The key's last use reaches the control plane's hash, batched off the hot path.
+    stamp = wait_until(
+        lambda: seeder.client.hget(schema.KEY_LAST_USED_HASH, tenant.key_id),
+        5,
+        what="last-used stamp",
+    )
+    assert abs(int(stamp) - time.time()) < 60
 
 
 def test_request_id_accepted_when_well_formed(
@@ -162,6 +170,11 @@ def test_errors_raise_the_right_openai_exceptions(
     with pytest.raises(openai.BadRequestError) as n:
         client.chat.completions.create(model=FAMILY, messages=HI, n=2)
     assert n.value.param == "n"
+    limited = seeder.tenant(rpm=1)
+    client_for(gateway, limited).chat.completions.create(model=FAMILY, messages=HI, max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as rate:
+        client_for(gateway, limited).chat.completions.create(model=FAMILY, messages=HI)
+    assert rate.value.code == "rate_limit_exceeded" and "retry-after" in rate.value.response.headers
     with pytest.raises(openai.APIStatusError) as large:
         client.chat.completions.create(
             model=FAMILY, messages=[{"role": "user", "content": "x" * (1 << 20)}]
