@@ -737,7 +737,7 @@ def write_report(
         "says `Retry-After: 5` and every client honours it exactly; with R6 the 503 says "
         "5 s + uniform[0, 5 s] and the retry budget sheds non-reserved retries with 30–60 s "
         "once retries pass 20 % of admitted traffic. Clients give up after 4 attempts. The "
-        f"third arm repeats the failure at {0.9 * scale.rate_rps:g} req/s without the free "
+        f"third arm repeats the failure at {0.9 * scale.rate_rps:.0f} req/s without the free "
         "tier, below the 0.85 ceiling (R6's change 3: keep headroom).\n"
     )
     win = min(20.0, k - scale.warmup_s)
@@ -816,11 +816,23 @@ def write_report(
                     ),
                 ],
             ),
+            (
+                "TTFT p95 (s)",
+                [
+                    Line(
+                        "TTFT p95",
+                        [c.occupancy * 100 for c in cliff],
+                        [c.ttft_p95 for c in cliff],
+                        {"marker": "o", "color": "tab:purple"},
+                    ),
+                ],
+            ),
         ],
         out_dir / "fleet_sim_cliff.png",
         caption,
         xlabel="mean KV occupancy (%)",
-        hlines=[[TPOT_SLO_S * 1000], []],
+        logy=[False, False, True],
+        hlines=[[TPOT_SLO_S * 1000], [], [TTFT_SLO_S]],
     )
     herd_panels = []
     for name in herd_names:
