@@ -256,5 +256,9 @@ def write_report(
         "\nTargets for arm (c), checked against the quiet baseline:\n",
         *lines,
     ]
+    if "c" in results:
+        shadow = prefill_shadow(results["c"], specs)
+        if shadow:
+            head += ["", f"Arm (c) — {shadow}"]
     (out / "noisy_neighbour_headline.md").write_text("\n".join(head) + "\n")
     return path
