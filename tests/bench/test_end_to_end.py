@@ -13,10 +13,7 @@ from bench.noisy_neighbour import ARMS, NNConfig, run
 
 
 @pytest.mark.slow
-def test_noisy_neighbour_all_arms_smoke(
-    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("BENCH_REDIS_URL", redis_url)
+def test_noisy_neighbour_all_arms_smoke(bench_redis_url: str, tmp_path: Path) -> None:
     cfg = dataclasses.replace(NNConfig.smoke(), speed=6.0, duration_s=12.0, drain_s=12.0)
     results = run(cfg, ARMS, tmp_path, "test", write_report)
     assert set(results) == set(ARMS)
@@ -26,7 +23,8 @@ def test_noisy_neighbour_all_arms_smoke(
         done = [o for o in res.outcomes if o.completed]
         assert done, f"arm {arm}: nothing completed"
         # Model-time TPOT per real token of a 70B replica: tens of milliseconds.
-        assert all(0.01 < o.tpot_s < 1.0 for o in done if o.tpot_s is not None), arm
+        # (generous upper bound: a starved CI box stretches wall-clock gaps)
+        assert all(0.01 < o.tpot_s < 2.0 for o in done if o.tpot_s is not None), arm
         assert any(tr.occupancy for tr in res.traces.values()), arm
     # Through the gateway every request carries its tenant's class; direct arm a has none
     # of the gateway's refusals.
