@@ -148,17 +148,17 @@ class NNConfig:
     def smoke(cls) -> NNConfig:
         """Tiny and fast, for tests: same shape, seconds not minutes."""
         return cls(
-            speed=4.0,
+            speed=6.0,
             shared_replicas=1,
             reserved_replicas=1,
-            duration_s=16.0,
+            duration_s=12.0,
             warmup_s=2.0,
-            drain_s=10.0,
+            drain_s=12.0,
             standard_tenants=1,
             standard_rps=1.0,
             enterprise_rps=0.5,
             free_rps=0.5,
-            noisy_rps=0.2,
+            noisy_rps=0.1,
         )
 
 

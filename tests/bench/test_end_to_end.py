@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,7 @@ from bench.noisy_neighbour import ARMS, NNConfig, run
 
 @pytest.mark.slow
 def test_noisy_neighbour_all_arms_smoke(bench_redis_url: str, tmp_path: Path) -> None:
-    cfg = dataclasses.replace(NNConfig.smoke(), speed=6.0, duration_s=12.0, drain_s=12.0)
-    results = run(cfg, ARMS, tmp_path, "test", write_report)
+    results = run(NNConfig.smoke(), ARMS, tmp_path, "test", write_report)
     assert set(results) == set(ARMS)
     for arm, res in results.items():
         tenants = {o.tenant_id for o in res.outcomes}
