@@ -316,7 +316,7 @@ def run_arm(
         profile_file,
         version,
         pools,
-        speed=1.0 * cfg.speed,
+        speed=cfg.speed,
         seed=cfg.seed,
     )
     gw: cluster.Gateway | None = None
