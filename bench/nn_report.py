@@ -222,7 +222,9 @@ def write_report(
         md.append(
             f"Preemptions {res.preemptions:.0f} · peak KV occupancy {fmt_pct(_peak_occupancy(res))}"
             f" · mean shared-pool occupancy {fmt_pct(_mean_occupancy(res, shared_ids))}"
-            f" · {res.wall_s:.0f} s wall\n"
+            f" · {res.wall_s:.0f} s wall · {res.chunks_per_s:,.0f} SSE chunks/s read by the"
+            f" load generator · {res.cpu_cores:.2f} cores busy (replicas + gateway + load"
+            " generator)\n"
         )
         shadow = prefill_shadow(res, specs)
         if shadow:

@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import dataclasses
 import math
+import resource
 import shutil
 import sys
 import time
@@ -250,6 +251,8 @@ class ArmResult:
     preemptions: float
     wall_s: float
     measured_s: float
+    chunks_per_s: float = 0.0  # SSE content chunks the load generator read, per wall second
+    cpu_cores: float = 0.0  # CPU seconds of the whole arm per wall second
 
 
 def _coarse_spec(spec: RequestSpec, k: int) -> RequestSpec:
@@ -307,6 +310,7 @@ def run_arm(
     redis_url: str, workdir: Path,
 ) -> ArmResult:  # fmt: skip
     started = time.perf_counter()
+    cpu_before = _cpu_seconds()
     version = f"{FAMILY}-bench"
     pools: list[schema.Pool] = ["shared"] * cfg.shared_replicas + [
         "reserved"
@@ -346,11 +350,15 @@ def run_arm(
                 return targets[spec.tenant_id]
 
             model = FAMILY
+        drive_started = time.perf_counter()
         raws, traces = asyncio.run(_drive(cfg, wl, route, model, replicas, arm))
+        drive_s = time.perf_counter() - drive_started
     finally:
         if gw is not None:
             gw.stop()
         cluster.stop_replicas(replicas)
+    # CPU of everything the arm ran (replicas, gateway, load generator) once they are reaped.
+    cpu = _cpu_seconds() - cpu_before
     by_id = {r.request_id: r for r in wl.requests}
     outcomes = [
         _real_outcome(raw, classes[raw.spec.tenant_id], cfg, by_id[raw.spec.request_id])
@@ -361,7 +369,18 @@ def run_arm(
         arm=arm, outcomes=outcomes, traces=traces,
         preemptions=sum(t.preemptions for t in traces.values()),
         wall_s=time.perf_counter() - started, measured_s=cfg.duration_s - cfg.warmup_s,
+        chunks_per_s=sum(r.chunks for r in raws) / max(drive_s, 1e-9),
+        cpu_cores=cpu / max(time.perf_counter() - started, 1e-9),
     )  # fmt: skip
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and its reaped children."""
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 # -- report ---------------------------------------------------------------------------------
