@@ -13,7 +13,9 @@ tables and links to every scenario's report.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
+import json
 import os
 import platform
 import subprocess
@@ -60,14 +62,34 @@ def run_scenario(s: Scenario, extra: list[str]) -> tuple[int, float]:
     return proc.returncode, took
 
 
-def write_index(ran: dict[str, tuple[int, float]], total_s: float) -> Path:
+RUNS = RESULTS / "runs.json"
+
+
+def record_runs(ran: dict[str, tuple[int, float]]) -> dict[str, dict[str, object]]:
+    """Merge this invocation's scenarios into bench/results/runs.json (so that a partial
+    ``--only`` run keeps the other scenarios' last status in the index)."""
+    runs: dict[str, dict[str, object]] = {}
+    if RUNS.exists():
+        with contextlib.suppress(ValueError):
+            runs = json.loads(RUNS.read_text())
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    for name, (code, took) in ran.items():
+        runs[name] = {"exit": code, "seconds": round(took, 1), "at": stamp}
     RESULTS.mkdir(parents=True, exist_ok=True)
+    RUNS.write_text(json.dumps(runs, indent=2, sort_keys=True) + "\n")
+    return runs
+
+
+def write_index(ran: dict[str, tuple[int, float]], total_s: float) -> Path:
+    runs = record_runs(ran)
+    all_s = sum(float(r["seconds"]) for r in runs.values())  # type: ignore[arg-type]
     md = [
         "# Benchmark results\n",
-        f"Produced by `python -m bench` (or `make bench`) on "
-        f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPU cores, "
-        f"Python {platform.python_version()}; {total_s / 60:.1f} min in all. Every figure is "
-        "measured in that one run; ratios are against a baseline of the same run. What each "
+        f"Produced by `python -m bench` (or `make bench`) on {os.cpu_count()} CPU cores, "
+        f"Python {platform.python_version()}: all scenarios in {all_s / 60:.1f} min (the sum "
+        "of the table below; the last invocation took "
+        f"{total_s / 60:.1f} min). Every figure of a scenario is measured in one run of it; "
+        "ratios are against a baseline of the same run. What each "
         "scenario does and why the scaling preserves the design's ratios: "
         "[bench/README.md](../README.md).\n",
     ]
@@ -77,15 +99,24 @@ def write_index(ran: dict[str, tuple[int, float]], total_s: float) -> Path:
         md.append(headline.read_text())
         md.append("![TTFT and KV occupancy per arm](noisy_neighbour.png)\n")
         md.append("Targets and per-tenant tables: [noisy_neighbour.md](noisy_neighbour.md).\n")
+    fleet = RESULTS / "fleet_sim_headline.md"
+    if fleet.exists():
+        md.append("## Fleet-scale simulation (scenario 4)\n")
+        md.append(fleet.read_text())
+        md.append("Cliff, herd and retry-storm tables: [fleet_sim.md](fleet_sim.md).\n")
     md.append("## Scenarios\n")
-    md.append("| scenario | command | report | exit | minutes |")
-    md.append("|---|---|---|---|---|")
+    md.append("| scenario | command | report | exit | minutes | run at |")
+    md.append("|---|---|---|---|---|---|")
     for s in SCENARIOS:
-        if s.name not in ran:
+        run = runs.get(s.name)
+        if run is None:
             continue
-        code, took = ran[s.name]
         link = f"[{s.report}]({s.report})" if (RESULTS / s.report).exists() else "—"
-        md.append(f"| {s.title} | `python -m bench.{s.name}` | {link} | {code} | {took / 60:.1f} |")
+        minutes = float(run["seconds"]) / 60  # type: ignore[arg-type]
+        md.append(
+            f"| {s.title} | `python -m bench.{s.name}` | {link} | {run['exit']} | "
+            f"{minutes:.1f} | {run['at']} |"
+        )
     path = RESULTS / "README.md"
     path.write_text("\n".join(md) + "\n")
     return path
