@@ -127,10 +127,10 @@ class EmbeddedServices:
         return self.start_postgres()
 
     def start_postgres(self) -> str:
-        import pgserver  # optional: only where no PostgreSQL runs
+        import pgserver  # only where no PostgreSQL runs
 
         self._pg = pgserver.get_server(str(self.workdir / "pg"), cleanup_mode="stop")
-        uri: str = self._pg.get_uri()  # type: ignore[attr-defined]
+        uri: str = self._pg.get_uri()
         return uri
 
     # -- lifecycle ---------------------------------------------------------------------
