@@ -20,7 +20,7 @@ import sys
 
 import uvloop
 
-from emulator.engine import EngineConfig
+from emulator.engine import EngineConfig, resolve_long_prefill_threshold
 from emulator.faults import Faults
 from emulator.profiles import BUILTIN_PROFILES, Profile, get_profile, load_profiles
 from emulator.service import EmulatorService
@@ -58,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        help="most prompt tokens one request may compute per step (0: no cap; default as "
+        "vLLM: 0, or 4%% of max-model-len when --max-num-partial-prefills > 1)",
+    )
+    parser.add_argument("--max-num-partial-prefills", type=int, default=1)
+    parser.add_argument("--max-long-partial-prefills", type=int, default=1)
     parser.add_argument("--fail-after-tokens", type=int)
     parser.add_argument("--crash-after-tokens", type=int)
     parser.add_argument("--refuse-503", action="store_true")
@@ -83,6 +91,9 @@ async def serve(args: argparse.Namespace) -> None:
         kv_capacity_tokens=args.kv_capacity_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        max_long_partial_prefills=args.max_long_partial_prefills,
     )
     faults = Faults(
         fail_after_tokens=args.fail_after_tokens,
@@ -123,6 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         resolve_profile(args.profile, args.profile_file)
         if args.speed <= 0:
             raise ValueError("--speed must be positive")
+        resolve_long_prefill_threshold(
+            EngineConfig(
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                max_num_partial_prefills=args.max_num_partial_prefills,
+                max_long_partial_prefills=args.max_long_partial_prefills,
+            ),
+            1,
+        )
     except (KeyError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -40,10 +40,11 @@ Read-only state: ``now``, ``requests`` (live, by id), ``num_running``, ``num_wai
 ``kv_usage()`` (vLLM's ``1 - free/(num_gpu_blocks-1)``), ``pool`` (``emulator.kv.BlockPool``),
 ``stats`` (``emulator.stats.EngineStats``), ``has_work()``, and the resolved limits
 ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``num_gpu_blocks``,
-``block_size``, ``scheduling_policy``.
+``block_size``, ``scheduling_policy``, ``long_prefill_token_threshold``.
 
 Scheduling follows vLLM v1 (``v1/core/sched/scheduler.py``): running requests first (decode or
-their next prefill chunk) within the ``max_num_batched_tokens`` budget, allocating blocks as
+their next prefill chunk, at most ``long_prefill_token_threshold`` tokens of it when that is
+set) within the ``max_num_batched_tokens`` budget, allocating blocks as
 they grow; when a block is missing, preempt the victim (priority policy: max
 ``(priority, arrival_time)``; fcfs: last of running), free its blocks, reset it and requeue it.
 Then waiting requests in queue order while budget lasts and ``len(running) < max_num_seqs``,
@@ -93,6 +94,30 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     output_len_median: float = 300.0  # design §2 output shape: p50 300, p95 1,200
     output_len_p95: float = 1200.0
+    # vLLM ``--long-prefill-token-threshold``: the most prompt tokens one request may compute
+    # in a step, so a long prefill leaves part of the chunk budget to others. 0 = no cap.
+    # ``None`` resolves as vLLM's SchedulerConfig does: 0, unless chunked prefill (always on
+    # here) runs with max_num_partial_prefills > 1, then 4 % of max_model_len.
+    long_prefill_token_threshold: int | None = None
+    # vLLM ``--max-num-partial-prefills`` / ``--max-long-partial-prefills``. The v1 scheduler
+    # this engine follows does not limit concurrent partial prefills with them; they only
+    # feed the threshold's default above (and are validated as vLLM does).
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+
+
+def resolve_long_prefill_threshold(cfg: EngineConfig, max_model_len: int) -> int:
+    """vLLM's resolution of ``long_prefill_token_threshold`` (``config/scheduler.py``)."""
+    if cfg.max_num_partial_prefills < 1 or cfg.max_long_partial_prefills < 1:
+        raise ValueError("max_num_partial_prefills and max_long_partial_prefills must be >= 1")
+    if cfg.max_long_partial_prefills > cfg.max_num_partial_prefills:
+        raise ValueError("max_long_partial_prefills must be <= max_num_partial_prefills")
+    threshold = cfg.long_prefill_token_threshold
+    if threshold is not None and threshold < 0:
+        raise ValueError("long_prefill_token_threshold must be >= 0")
+    if not threshold and cfg.max_num_partial_prefills > 1:
+        return int(max_model_len * 0.04)
+    return threshold or 0
 
 
 class Request:
@@ -290,6 +315,7 @@ class Engine:
         if self.max_model_len < 2:
             raise ValueError("KV capacity too small for even a 2-token sequence")
         self.enable_prefix_caching = cfg.enable_prefix_caching
+        self.long_prefill_token_threshold = resolve_long_prefill_threshold(cfg, self.max_model_len)
 
         self.now = 0.0
         self.requests: dict[str, Request] = {}
@@ -491,12 +517,15 @@ class Engine:
         running = self.running
         scheduled: list[Request] = []
         preempted = result.preempted
+        cap = self.long_prefill_token_threshold
 
         # 1. Running requests: decode, or the next chunk of an unfinished prefill.
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             n = len(req.token_ids) - req.num_computed
+            if 0 < cap < n:
+                n = cap
             if n > budget:
                 n = budget
             need = (req.num_computed + n + bs - 1) // bs - len(req.blocks)
@@ -549,6 +578,8 @@ class Engine:
                     break
                 waiting.pop()
                 n = num_tokens - computed
+                if 0 < cap < n:
+                    n = cap
                 if n > budget:
                     n = budget
                 if hits:
