@@ -30,7 +30,7 @@ from gateway.admission import Ticket
 from gateway.auth import Principal
 from gateway.errors import ApiError, GatewayTimeout, UpstreamError, capacity_unavailable
 from gateway.http import JSON, SSE, Receive, Send, encode_headers, send_error
-from gateway.relay import END, ERROR, SSE_DONE, USAGE, StreamTracker, sse_data
+from gateway.relay import END, ERROR, SSE_DONE, USAGE, SSEEvents, StreamTracker
 from gateway.schema import ModelVersionRecord
 from gateway.upstream import (
     ReplicaStalled,
@@ -202,10 +202,10 @@ class Exchange:
     # -- relays ------------------------------------------------------------------------
     async def _relay_stream(self, response: UpstreamResponse, send: Send) -> None:
         tracker = self.tracker
-        batches = sse_data(response.chunks()).__aiter__()
+        events = SSEEvents()
         replica_id = self.ticket.replica.replica_id
         try:
-            first = await self._next(batches)
+            first = await self._next(response, events)
             if first is None:
                 raise UpstreamError(
                     "The model replica closed the stream before responding.", code="upstream_error"
@@ -236,7 +236,7 @@ class Exchange:
             while batch is not None:
                 if await self._forward(batch, send):
                     break
-                batch = await self._next(batches)
+                batch = await self._next(response, events)
         except ReplicaStalled:
             self.finish = "timeout"
             self.gw.metrics.upstream_errors.labels(replica_id, "stall").inc()
@@ -260,22 +260,27 @@ class Exchange:
         self.response_done = True
         await send({"type": "http.response.body", "body": failure or SSE_DONE, "more_body": False})
         if failure is None:
-            await self._drain(batches)
+            await self._drain(response)
 
-    async def _drain(self, batches: object) -> None:
+    async def _drain(self, response: UpstreamResponse) -> None:
         """Read what follows ``[DONE]`` (the chunked-encoding terminator) so the upstream
         connection goes back to the pool; closing a response early drops its connection,
         and a new TCP connection per request costs more than the whole relay."""
         with contextlib.suppress(Exception):
             async with asyncio.timeout(0.5):
-                while await self._next(batches) is not None:
+                while await response.read():
                     pass
 
-    async def _next(self, batches: object) -> list[bytes] | None:
-        try:
-            return await batches.__anext__()  # type: ignore[attr-defined]
-        except StopAsyncIteration:
-            return None
+    @staticmethod
+    async def _next(response: UpstreamResponse, events: SSEEvents) -> list[bytes] | None:
+        """The next read's complete events; None at the end of the body."""
+        while True:
+            data = await response.read()
+            if not data:
+                return events.close() or None
+            batch = events.feed(data)
+            if batch:
+                return batch
 
     async def _forward(self, batch: list[bytes], send: Send) -> bool:
         """Relay one read's events; True once the stream's end ([DONE] or error) is seen."""
@@ -302,6 +307,8 @@ class Exchange:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if not self.added_observed and tracker.first_token_at is not None:
                 self._observe_added(tracker.first_token_at)
+                # Prefill done: the router's in-flight charge may lapse at the next scrape.
+                self.gw.router.on_first_token(self.ticket.replica, self.ticket.request_id)
         return ended
 
     def _observe_added(self, upstream_event_at: float) -> None:
@@ -316,9 +323,9 @@ class Exchange:
         tracker = self.tracker
         replica_id = self.ticket.replica.replica_id
         done_at = time.monotonic()
-        batches = sse_data(response.chunks())
+        events = SSEEvents()
         try:
-            async for batch in batches:
+            while (batch := await self._next(response, events)) is not None:
                 now = done_at = time.monotonic()
                 for data in batch:
                     kind = tracker.observe(data, now)
@@ -351,7 +358,7 @@ class Exchange:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
         self._observe_added(done_at)
-        await self._drain(batches)
+        await self._drain(response)
 
     async def _store(self, kind: bytes, body: bytes) -> None:
         """Keep the response for replays before the client can see its end (and retry)."""
