@@ -356,6 +356,8 @@ class FleetSim:
         for req in res.emitted:
             if req.num_output == 1:
                 req.handle.first_token = end
+                gw = self.gws[req.handle.gateway]
+                gw.router.on_first_token(gw.records[idx], req.request_id)
         for req in res.finished:
             r = req.handle
             gw = self.gws[r.gateway]

@@ -134,6 +134,9 @@ def run_arm(cfg: HerdConfig, arm: Arm, work: list[tuple[float, int]]) -> ArmResu
         for i, e in enumerate(engines):
             while e.has_work() and e.now < t:
                 res = e.step()
+                for req in res.emitted:
+                    if req.num_output == 1:  # as the gateway's relay reports first tokens
+                        router.on_first_token(records[i], req.request_id)
                 for req in res.finished:
                     router.on_finish(records[i], req.request_id)
             if not e.has_work():

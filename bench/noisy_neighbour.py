@@ -113,6 +113,9 @@ class NNConfig:
     k: int = 8
     speed: float = 3.0
     chunk_tokens: int = 1024  # chunked-prefill budget per step, real tokens (§7: "say 512")
+    # Replica setting, same in every arm: vLLM's --long-prefill-token-threshold at the value
+    # vLLM itself picks when partial prefills are on (4 % of max_model_len); 0 = no cap.
+    long_prefill_fraction: float = 0.04
     shared_replicas: int = 4
     reserved_replicas: int = 1
     duration_s: float = 150.0  # model seconds of arrivals per arm
@@ -322,6 +325,9 @@ def run_arm(
         pools,
         speed=cfg.speed,
         seed=cfg.seed,
+        extra={
+            "long_prefill_token_threshold": int(profile.max_model_len * cfg.long_prefill_fraction)
+        },
     )
     gw: cluster.Gateway | None = None
     try:
