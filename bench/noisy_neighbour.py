@@ -113,9 +113,11 @@ class NNConfig:
     k: int = 8
     speed: float = 3.0
     chunk_tokens: int = 1024  # chunked-prefill budget per step, real tokens (§7: "say 512")
-    # Replica setting, same in every arm: vLLM's --long-prefill-token-threshold at the value
-    # vLLM itself picks when partial prefills are on (4 % of max_model_len); 0 = no cap.
-    long_prefill_fraction: float = 0.04
+    # Replica setting, same in every arm: vLLM's --long-prefill-token-threshold, real tokens
+    # per step like chunk_tokens (so the same number per emulated step); 0 = no cap. 655 is
+    # 64 % of the step budget: the share vLLM's automatic threshold (4 % of max_model_len =
+    # 5,242) takes of its H100 default budget (8,192). 4 % literally would exceed our budget.
+    long_prefill_tokens: int = 655
     shared_replicas: int = 4
     reserved_replicas: int = 1
     duration_s: float = 150.0  # model seconds of arrivals per arm
@@ -325,9 +327,7 @@ def run_arm(
         pools,
         speed=cfg.speed,
         seed=cfg.seed,
-        extra={
-            "long_prefill_token_threshold": int(profile.max_model_len * cfg.long_prefill_fraction)
-        },
+        extra={"long_prefill_token_threshold": cfg.long_prefill_tokens},
     )
     gw: cluster.Gateway | None = None
     try:
