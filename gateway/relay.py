@@ -28,28 +28,60 @@ END = 3
 OTHER = 4
 
 
-async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
-    """The ``data:`` payloads of an SSE body, batched per network read (fewer sends)."""
-    buffer = b""
-    async for chunk in chunks:
-        buffer += chunk
-        if b"\n\n" not in buffer and b"\r\n\r\n" not in buffer:
-            continue
-        if b"\r\n" in buffer:
+class SSEEvents:
+    """Incremental SSE parsing: feed network reads, get the ``data:`` payloads of the
+    events they complete (one list per read, so a read's events go out in one send).
+
+    A plain class rather than an async generator: the relay calls ``feed`` once per
+    upstream read, and every async-generator layer costs a frame resume per read.
+    """
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buffer = self._buffer + chunk if self._buffer else chunk
+        if b"\r" in buffer:
             buffer = buffer.replace(b"\r\n", b"\n")
-        *events, buffer = buffer.split(b"\n\n")
-        batch = [
+        if b"\n\n" not in buffer:
+            self._buffer = buffer
+            return []
+        *events, self._buffer = buffer.split(b"\n\n")
+        out: list[bytes] = []
+        for event in events:
+            if event.startswith(b"data: ") and b"\n" not in event:
+                out.append(event[6:])  # vLLM's shape: one data line per event
+                continue
+            out.extend(
+                line[6:] if line[5:6] == b" " else line[5:]
+                for line in event.split(b"\n")
+                if line.startswith(b"data:")
+            )
+        return out
+
+    def close(self) -> list[bytes]:
+        """The payloads of an unterminated last event at the end of the body."""
+        buffer, self._buffer = self._buffer, b""
+        if not buffer.strip():
+            return []
+        return [
             line[6:] if line[5:6] == b" " else line[5:]
-            for event in events
-            for line in event.split(b"\n")
+            for line in buffer.split(b"\n")
             if line.startswith(b"data:")
         ]
+
+
+async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
+    """The ``data:`` payloads of an SSE body, batched per network read."""
+    events = SSEEvents()
+    async for chunk in chunks:
+        batch = events.feed(chunk)
         if batch:
             yield batch
-    if buffer.strip():
-        for line in buffer.split(b"\n"):
-            if line.startswith(b"data:"):
-                yield [line[6:] if line[5:6] == b" " else line[5:]]
+    for payload in events.close():
+        yield [payload]
 
 
 @dataclass(slots=True)

@@ -83,14 +83,19 @@ class UpstreamResponse:
     def __init__(self, response: aiohttp.ClientResponse) -> None:
         self._response = response
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Bytes as they arrive; each read waits for the previous one to be relayed, so a
-        slow client slows the upstream read (aiohttp pauses the socket past its buffer)."""
+    async def read(self) -> bytes:
+        """The bytes that arrived since the last read (b"" at the end of the body). The
+        caller reads again only once it has relayed the previous bytes, so a slow client
+        slows the upstream read (aiohttp pauses the socket past its buffer)."""
         try:
-            async for data in self._response.content.iter_any():
-                yield data
+            return await self._response.content.readany()
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise _translate(exc) from exc
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """``read`` as an async iterator."""
+        while data := await self.read():
+            yield data
 
     def close(self) -> None:
         """Return the connection to the pool if the body was read to the end; otherwise
