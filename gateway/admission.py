@@ -215,6 +215,7 @@ class AdmissionController:
             self._renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renewer
+        await self._limiter.aclose()
         await self._client.aclose()
 
     async def _renew_forever(self) -> None:

@@ -30,9 +30,10 @@ in this process; both are logged on the transition and counted in metrics.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -53,6 +54,7 @@ from gateway.policy import (
     bucket_reset_ms,
     in_retry_storm,
 )
+from gateway.scriptchannel import Arg, LuaScript, ScriptChannel
 
 log = logging.getLogger("fairway.gateway.limits")
 
@@ -357,9 +359,20 @@ class Limiter:
         self._redis = client
         self._cfg = cfg
         self._stats: LimiterStats = stats or NullStats()
+        # The hot path (admit, settle) and the renewal go through one multiplexed
+        # connection (gateway.scriptchannel); redis-py's script objects remain for TLS.
+        self._channel = ScriptChannel.for_client(client)
+        self._admit_lua = LuaScript.of(ADMIT_LUA)
+        self._settle_lua = LuaScript.of(SETTLE_LUA)
+        self._renew_lua = LuaScript.of(RENEW_LUA)
         self._admit = client.register_script(ADMIT_LUA)
         self._settle = client.register_script(SETTLE_LUA)
         self._renew = client.register_script(RENEW_LUA)
+        # Lease ids: the request id (clients' ids may repeat, ours are unique per process)
+        # plus this limiter's random tag and a counter — no uuid4 (an os.urandom syscall)
+        # per request.
+        self._lease_tag = os.urandom(4).hex()
+        self._lease_seq = itertools.count()
         self._probe_interval_s = probe_interval_s
         self._down_until = 0.0  # monotonic; while in the future, skip Redis entirely
         self._up = True
@@ -369,6 +382,18 @@ class Limiter:
     @property
     def redis_up(self) -> bool:
         return self._up
+
+    async def aclose(self) -> None:
+        """Close the script channel (the redis-py client belongs to the caller)."""
+        if self._channel is not None:
+            await self._channel.aclose()
+
+    async def _eval(
+        self, lua: LuaScript, script: Any, keys: Sequence[Arg], args: Sequence[Arg]
+    ) -> Any:
+        if self._channel is not None:
+            return await self._channel.evalsha(lua, keys, args)
+        return await script(keys=list(keys), args=list(args))
 
     # -- health ------------------------------------------------------------------------
     def _redis_usable(self) -> bool:
@@ -405,7 +430,7 @@ class Limiter:
 
     # -- admit -------------------------------------------------------------------------
     async def admit(self, q: QuotaRequest) -> QuotaDecision:
-        lease_id = f"{q.request_id}:{uuid.uuid4().hex[:8]}"  # client ids may repeat
+        lease_id = f"{q.request_id}:{self._lease_tag}{next(self._lease_seq):x}"
         local = self._local_for(q.tenant_id, q.family, q.rpm, q.tpm)
         if self._redis_usable():
             try:
@@ -422,9 +447,11 @@ class Limiter:
     async def _admit_redis(self, q: QuotaRequest, lease_id: str) -> QuotaDecision:
         tag = tenant_tag(q.tenant_id, q.family)
         cfg = self._cfg
-        res: list[Any] = await self._admit(
-            keys=[f"{tag}:b", f"{tag}:l", f"{tag}:e", retry_key(q.version)],
-            args=[
+        res: list[Any] = await self._eval(
+            self._admit_lua,
+            self._admit,
+            (f"{tag}:b", f"{tag}:l", f"{tag}:e", retry_key(q.version)),
+            (
                 lease_id,
                 q.rpm,
                 q.tpm,
@@ -439,7 +466,7 @@ class Limiter:
                 cfg.retry_budget_min_admitted,
                 int(cfg.retry_budget_window_s * 1000),
                 RECLAIM_PER_ADMIT,
-            ],
+            ),
         )
         (ok, reason, wait, rrem, rreset, trem, treset, inflight, reclaimed, _adm, _ret, now_ms) = (
             int(x) for x in res
@@ -557,16 +584,18 @@ class Limiter:
             return False
         tag = tenant_tag(grant.tenant_id, grant.family)
         try:
-            released = await self._settle(
-                keys=[f"{tag}:b", f"{tag}:l", f"{tag}:e"],
-                args=[
+            released = await self._eval(
+                self._settle_lua,
+                self._settle,
+                (f"{tag}:b", f"{tag}:l", f"{tag}:e"),
+                (
                     grant.lease_id,
                     grant.est_tokens,
                     actual_tokens,
                     int(refund_request),
                     grant.rpm,
                     grant.tpm,
-                ],
+                ),
             )
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             # The lease expires on its own within lease_ttl_s; tokens stay charged at the
@@ -589,18 +618,22 @@ class Limiter:
         if not live or not self._redis_usable():
             return 0, 0
         lease_ms = int(self._cfg.lease_ttl_s * 1000)
+        calls: list[tuple[list[str], list[Arg]]] = []
+        for i in range(0, len(live), RENEW_CHUNK):
+            chunk = live[i : i + RENEW_CHUNK]
+            keys: list[str] = []
+            for g in chunk:
+                tag = tenant_tag(g.tenant_id, g.family)
+                keys += [f"{tag}:e", f"{tag}:l"]
+            calls.append((keys, [lease_ms, *(g.lease_id for g in chunk)]))
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for i in range(0, len(live), RENEW_CHUNK):
-                    chunk = live[i : i + RENEW_CHUNK]
-                    keys: list[str] = []
-                    for g in chunk:
-                        tag = tenant_tag(g.tenant_id, g.family)
-                        keys += [f"{tag}:e", f"{tag}:l"]
-                    await self._renew(
-                        keys=keys, args=[lease_ms, *(g.lease_id for g in chunk)], client=pipe
-                    )
-                results = await pipe.execute()
+            if self._channel is not None:
+                results = await self._channel.evalsha_many(self._renew_lua, calls)
+            else:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for keys, args in calls:
+                        await self._renew(keys=keys, args=args, client=pipe)
+                    results = await pipe.execute()
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             self._mark(False, exc)
             return 0, 0
