@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 
 import orjson
+from redis.exceptions import RedisError
 
 from gateway.chat import ChatCompletions
-from gateway.errors import ApiError, MethodNotAllowed, NotFound
+from gateway.errors import ApiError, MethodNotAllowed, NotFound, config_store_unavailable
 from gateway.http import (
     JSON,
     Receive,
@@ -90,6 +91,11 @@ class GatewayApp:
                 raise NotFound(f"Unknown path {path[:200]}.", code="unknown_url")
         except ApiError as exc:
             await send_error(send, exc, headers)
+        except RedisError as exc:
+            # /v1/models with a key not cached while the store is unreachable: the store's
+            # outage, not a gateway bug (chat handles its own, with metrics).
+            log.warning("redis unavailable on %s: %r", path, exc)
+            await send_error(send, config_store_unavailable(), headers)
         except Exception:
             # A bug, not the client's fault. Log it with the request id; answer if we still can.
             log.exception("unhandled error on %s %s request_id=%s", method, path, request_id)

@@ -12,7 +12,13 @@ from redis.exceptions import RedisError
 
 from gateway import tokens
 from gateway.admission import AdmissionRequest
-from gateway.errors import ApiError, NotFound, Unavailable, jittered_retry_after
+from gateway.errors import (
+    ApiError,
+    NotFound,
+    Unavailable,
+    config_store_unavailable,
+    jittered_retry_after,
+)
 from gateway.exchange import Exchange
 from gateway.http import (
     JSON,
@@ -100,17 +106,7 @@ class ChatCompletions:
         except RedisError as exc:
             log.warning("redis unavailable on the request path: %r", exc)
             self._release(claim)
-            await self._refuse(
-                send,
-                Unavailable(
-                    "The gateway's configuration store is unreachable; retry shortly.",
-                    code="config_store_unavailable",
-                    headers=jittered_retry_after(1, 4),
-                ),
-                headers,
-                tenant_id,
-                model,
-            )
+            await self._refuse(send, config_store_unavailable(), headers, tenant_id, model)
             return
         except ApiError as exc:
             if exc.status == 409 or exc.status == 422:

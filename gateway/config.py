@@ -56,7 +56,11 @@ class GatewayConfig:
     environment: str = "development"
     upstream: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
     pool: PoolLimits = field(default_factory=PoolLimits)
+    # The shared Redis client (read model, idempotency, last-used stamps): every call is
+    # bounded by this, with one immediate retry and no backoff (§8 fallbacks answer fast).
     redis_timeout_s: float = 1.0
+    # Its pool blocks (up to redis_timeout_s) for a free connection past this many.
+    redis_max_connections: int = 100
     max_body_bytes: int = 1 << 20
     spool_dir: Path = Path("var/spool")
     usage_topic: str = "usage.v1"
@@ -72,6 +76,9 @@ class GatewayConfig:
     # A cached key or tenant is trusted this long while the change channel is subscribed;
     # the channel drops entries at once, this only bounds drift if a message is lost.
     cache_ttl_s: float = 30.0
+    # Refreshing an expired entry (the TTL above ran out; nothing announced a change) waits
+    # at most this long for Redis before the last known record answers (§8, stale-if-error).
+    stale_refresh_timeout_s: float = 0.25
     # While the change channel is down, entries are re-read this often (revocation < 1 s).
     cache_ttl_unsubscribed_s: float = 0.5
     # Seconds between checks of the read-model version (catches missed pub/sub messages).
@@ -114,6 +121,10 @@ class GatewayConfig:
                 write=_float(env, "GATEWAY_UPSTREAM_WRITE_TIMEOUT_S", 5.0),
                 pool=_float(env, "GATEWAY_UPSTREAM_POOL_TIMEOUT_S", 2.0),
             ),
+            redis_timeout_s=_float(env, "GATEWAY_REDIS_TIMEOUT_S", 1.0),
+            redis_max_connections=_int(env, "GATEWAY_REDIS_MAX_CONNECTIONS", 100),
+            cache_ttl_s=_float(env, "GATEWAY_CACHE_TTL_S", 30.0),
+            stale_refresh_timeout_s=_float(env, "GATEWAY_STALE_REFRESH_TIMEOUT_S", 0.25),
             max_body_bytes=_int(env, "GATEWAY_MAX_BODY_BYTES", 1 << 20),
             spool_dir=Path(env.get("GATEWAY_SPOOL_DIR") or "var/spool"),
             usage_topic=env.get("GATEWAY_USAGE_TOPIC") or "usage.v1",

@@ -138,3 +138,12 @@ def capacity_unavailable(
     message: str, *, code: str = "capacity", base_s: float = 1.0, spread_s: float = 4.0
 ) -> Unavailable:
     return Unavailable(message, code=code, headers=jittered_retry_after(base_s, spread_s))
+
+
+def config_store_unavailable() -> Unavailable:
+    """The read model (Redis) is unreachable and the record was never cached: refuse."""
+    return Unavailable(
+        "The gateway's configuration store is unreachable; retry shortly.",
+        code="config_store_unavailable",
+        headers=jittered_retry_after(1, 4),
+    )

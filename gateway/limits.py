@@ -237,18 +237,26 @@ return {renewed, lost}
 """
 
 
-def connect(url: str, *, timeout_s: float = 0.5, max_connections: int = 512) -> aioredis.Redis:
-    """The limiter's own client: short timeouts and one immediate retry (a stale pooled
-    connection), never redis-py's default backoff, which stalls a request ~5 s before §8's
-    fallback can answer it. The pool blocks (up to ``timeout_s``) for a free connection: a
-    burst of concurrent admissions must queue, not read as "the store is down"."""
+def connect(
+    url: str,
+    *,
+    timeout_s: float = 0.5,
+    max_connections: int = 512,
+    health_check_interval: int = 0,
+) -> aioredis.Redis:
+    """A client that fails fast: explicit timeouts, and one immediate retry only for a
+    broken connection (a stale pooled one), never a backoff, and never a retry after a
+    timeout (a hung store would cost every request twice the timeout before §8's fallback
+    answers). The pool blocks (up to ``timeout_s``) for a free connection: a burst of
+    concurrent calls must queue, not read as "the store is down"."""
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
         timeout=timeout_s,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 1),
+        health_check_interval=health_check_interval,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
     )
     return aioredis.Redis(connection_pool=pool)
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway import schema
 from gateway.config import GatewayConfig
@@ -33,6 +36,9 @@ EMPTY_CATALOG = schema.Catalog(families={}, versions={})
 # Unknown keys are remembered briefly so a burst of bad keys does not become a burst of
 # Redis reads; short, because a key created a moment ago must start working promptly.
 NEGATIVE_TTL_S = 1.0
+# After a failed read, the store is not asked again for this long: misses are answered
+# from the last known record at once (or refused, for a record never seen).
+STORE_PROBE_S = 1.0
 
 
 class _Cache(Generic[T]):
@@ -81,6 +87,10 @@ class ReadModel:
         self._subscribed = False
         self._tasks: list[asyncio.Task[None]] = []
         self._catalog_listeners: list[Callable[[schema.Catalog], None]] = []
+        self._loading: dict[tuple[str, str], tuple[int, asyncio.Future[Any]]] = {}
+        self._store_down_until = 0.0  # monotonic
+        # The hit counters, resolved once: they are bumped twice per request.
+        self._hits = {k: metrics.auth_cache.labels(k, "hit") for k in ("key", "tenant")}
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -141,21 +151,65 @@ class ReadModel:
         now = time.monotonic()
         hit, value = cache.get(ident, now)
         if hit:
-            self._metrics.auth_cache.labels(kind, "hit").inc()
+            self._hits[kind].inc()
             return value
         self._metrics.auth_cache.labels(kind, "miss").inc()
+        # Single flight: concurrent misses of one entry share one read — unless the cache
+        # was invalidated since that read began (it may return what was just revoked).
         epoch = cache.epoch
+        flight = self._loading.get((kind, ident))
+        if flight is None or flight[0] != epoch:
+            reading = self._load(cache, kind, ident, redis_key, load, epoch)
+            task: asyncio.Future[Any] = asyncio.ensure_future(reading)
+            flight = (epoch, task)
+            self._loading[(kind, ident)] = flight
+            task.add_done_callback(functools.partial(self._landed, (kind, ident)))
+        # Shielded: a waiter that goes away (client disconnect) leaves the read to the rest.
+        result: T | None = await asyncio.shield(flight[1])
+        return result
+
+    def _landed(self, key: tuple[str, str], task: asyncio.Future[Any]) -> None:
+        if self._loading.get(key, (0, None))[1] is task:
+            del self._loading[key]
+        if not task.cancelled():
+            task.exception()  # retrieved here, in case every waiter has gone
+
+    async def _load(
+        self,
+        cache: _Cache[T],
+        kind: str,
+        ident: str,
+        redis_key: str,
+        load: Callable[[bytes | str], T],
+        epoch: int,
+    ) -> T | None:
+        known = cache.last_known(ident)
+        down = time.monotonic() < self._store_down_until
         try:
-            raw = await self._redis.get(redis_key)
-        except RedisError:
-            known = cache.last_known(ident)
+            if down:
+                # Failed within the last probe interval: do not make every request wait for
+                # its own timeout (a store that drops packets costs one per request).
+                raise RedisConnectionError("the configuration store failed moments ago")
+            if known is None:
+                raw = await self._redis.get(redis_key)
+            else:
+                # An expired entry is only a safety net's refresh (changes are pushed): with
+                # the answer on hand, a slow store is not waited for long.
+                async with asyncio.timeout(self._config.stale_refresh_timeout_s):
+                    raw = await self._redis.get(redis_key)
+        except (RedisError, TimeoutError) as exc:
+            if not down and isinstance(exc, RedisConnectionError | RedisTimeoutError | TimeoutError):
+                self._store_down_until = time.monotonic() + STORE_PROBE_S
+                log.warning("configuration store unreachable (%r); serving cached records", exc)
             if known is None:
                 raise
             # Stale-if-error (§8): the store is unreachable, and nothing can change a record
             # while it is down (the control plane writes through it), so the last known one
             # stands; without this a Redis outage would refuse all traffic, not just fail
-            # the limits open/closed as designed.
+            # the limits open/closed as designed. It stands for another probe interval (a
+            # change announced meanwhile still drops it: the epoch guards the put).
             self._metrics.auth_cache.labels(kind, "stale").inc()
+            cache.put(ident, known[1], time.monotonic() + STORE_PROBE_S, epoch)
             return known[1]
         record: T | None = None
         if raw is not None:

@@ -31,6 +31,7 @@ from gateway.admission import AdmissionController
 from gateway.auth import Authenticator, LastUsedRecorder
 from gateway.config import GatewayConfig
 from gateway.idempotency import IdempotencyStore
+from gateway.limits import connect
 from gateway.metrics import GatewayMetrics
 from gateway.readmodel import ReadModel
 from gateway.replicas import ReplicaRegistry
@@ -46,10 +47,13 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
-        self.redis: Redis = Redis.from_url(
+        # Fast-failing and blocking (gateway.limits.connect): a burst of cold lookups
+        # queues for a connection instead of failing, and an outage is seen in one timeout
+        # instead of redis-py's retry backoff, so stale-if-error answers promptly (§8).
+        self.redis: Redis = connect(
             config.redis_url,
-            socket_timeout=config.redis_timeout_s,
-            socket_connect_timeout=config.redis_timeout_s,
+            timeout_s=config.redis_timeout_s,
+            max_connections=config.redis_max_connections,
             health_check_interval=10,
         )
         self.readmodel = ReadModel(self.redis, config, self.metrics)

@@ -44,6 +44,8 @@ def worker_main(sock: socket.socket, log_level: str, access_log: bool) -> None:
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
     )
+    # The replica scraper's client would log every scrape (4 Hz per replica) at INFO.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     server = GatewayServer(GatewayConfig.from_env(), log_level=log_level, access_log=access_log)
     server.run(sock=sock)
 

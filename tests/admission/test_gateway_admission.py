@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import re
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -570,6 +572,60 @@ async def test_redis_stopped_rates_fail_open_kv_fails_closed(
         assert metric(text, "fairway_admission_fail_closed_total", result="refused") >= 1
         log = gw.log()
         assert "FAIL OPEN" in log and "FAILS CLOSED" in log
+    finally:
+        gw.stop()
+        services.stop()
+
+
+async def test_redis_frozen_or_stopped_expired_cache_is_answered_promptly(
+    tmp_path: Path, fast: SpawnedEmulator, slow: SpawnedEmulator
+) -> None:
+    """§8 with the store gone and the key's cached record expired: the request is answered
+    from the last known records promptly — the refresh of a record on hand waits briefly,
+    a failed store is not asked again for a second, the client never backs off and retries
+    for seconds — whether the store hangs (SIGSTOP: every call runs into its timeout) or
+    is stopped (connections refused)."""
+    services = EmbeddedServices(workdir=tmp_path / "private-redis")
+    services.workdir.mkdir()
+    url = services.start_redis()
+    store = services.processes[0]
+    client = redis.Redis.from_url(url)
+    private = ReadModel(client)
+    seed_catalog(private, fast, slow)
+    tenant = private.tenant("standard", both())
+    gw = spawn_gateway(tmp_path, url, {**GW_ENV, "GATEWAY_CACHE_TTL_S": "0.5"})
+
+    def timed_requests(n: int) -> list[float]:
+        timings = []
+        for _ in range(n):
+            started = time.monotonic()
+            r = post(gw, tenant, chat_body("fast", 3, 1))
+            timings.append(round(time.monotonic() - started, 3))
+            assert r.status_code == 200, r.text
+        return timings
+
+    try:
+        assert post(gw, tenant, chat_body("fast", 3, 1)).status_code == 200  # cached
+        os.kill(store.pid, signal.SIGSTOP)  # the store hangs
+        try:
+            await asyncio.sleep(1.0)  # past the cache TTL: the next lookups miss
+            frozen = timed_requests(3)
+        finally:
+            os.kill(store.pid, signal.SIGCONT)
+        services.stop()  # the store is gone
+        client.close()
+        await asyncio.sleep(1.5)  # past the TTL and the probe interval again
+        stopped = timed_requests(3)
+        print(f"\nanswered during the outage in {frozen} s (hung store), {stopped} s (stopped)")
+        # Well under a second on a quiet machine (the first request into a hung store pays
+        # the short refresh wait plus admission's own 0.5 s timeout); generous here for a
+        # loaded CI box. redis-py's default retry policy took ~5 s per request.
+        assert max(frozen + stopped) < 2.5, (frozen, stopped)
+        unknown = post(gw, Tenant("t-unknown", schema.API_KEY_PREFIX + "never-seen"), {})
+        assert unknown.status_code == 503  # a key never seen cannot be vouched for
+        assert unknown.json()["error"]["code"] == "config_store_unavailable"
+        text = await gateway_metrics(gw)
+        assert metric(text, "fairway_gateway_readmodel_cache_total", result="stale") >= 2
     finally:
         gw.stop()
         services.stop()

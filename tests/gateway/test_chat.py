@@ -3,6 +3,7 @@ real Redis and the embedded Kafka-compatible broker; the official ``openai`` cli
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -247,6 +248,32 @@ def test_health_ready_and_metrics(gateway: GatewayProcess) -> None:
         "fairway_gateway_replica_healthy",
     ):
         assert name in text, name
+
+
+# -- the configuration store under a burst of cold keys -------------------------------------
+
+
+async def test_over_a_hundred_concurrent_cold_requests_all_authenticate(
+    gateway: GatewayProcess, seeder: ReadModelSeeder
+) -> None:
+    """150 requests at once, each with a key the gateway has never seen (150 key reads and
+    tenant reads in flight against the shared Redis pool of 100), then 150 at once with one
+    new key (one read: concurrent misses share it). None may be refused for want of a
+    connection (the pool blocks briefly instead)."""
+    fresh = [seeder.tenant() for _ in range(150)]
+    one_key = seeder.tenant()
+    body = {"model": VERSION, "max_tokens": 1, "messages": HI}
+    limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
+    async with httpx.AsyncClient(base_url=gateway.base_url, limits=limits, timeout=60) as client:
+
+        async def chat(tenant: Tenant) -> httpx.Response:
+            headers = {"authorization": f"Bearer {tenant.secret}"}
+            return await client.post("/v1/chat/completions", json=body, headers=headers)
+
+        for wave in (fresh, [one_key] * 150):
+            responses = await asyncio.gather(*(chat(t) for t in wave))
+            refused = [(r.status_code, r.text[:200]) for r in responses if r.status_code != 200]
+            assert not refused, refused
 
 
 # -- revocation -----------------------------------------------------------------------------
