@@ -6,6 +6,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis
@@ -141,3 +142,38 @@ def test_stale_read_is_not_stored_after_an_invalidation() -> None:
     cache.drop("k")  # ...the key is revoked meanwhile...
     cache.put("k", "old record", time.monotonic() + 30, epoch)  # ...its read lands late
     assert cache.get("k", time.monotonic()) == (False, None)
+
+
+class CountingRedis(aioredis.Redis):
+    """The real client, counting the reads the read model makes."""
+
+    gets = 0
+
+    async def get(self, name: Any) -> Any:  # type: ignore[override]
+        CountingRedis.gets += 1
+        return await super().get(name)
+
+
+async def test_concurrent_misses_share_one_read_unless_invalidated_meanwhile(
+    redis_url: str, seeder: ReadModelSeeder
+) -> None:
+    tenant = seeder.tenant()
+    client = CountingRedis.from_url(redis_url, socket_timeout=2)
+    model = ReadModel(client, GatewayConfig(redis_url=redis_url), GatewayMetrics())
+    try:
+        CountingRedis.gets = 0
+        keys = await asyncio.gather(*(model.key(tenant.key_hash) for _ in range(200)))
+        assert all(k is not None and k.tenant_id == tenant.tenant_id for k in keys)
+        assert CountingRedis.gets == 1
+        # A lookup that starts after an invalidation must not join a read begun before it
+        # (that read may return what was just revoked).
+        model.invalidate_all()
+        CountingRedis.gets = 0
+        first = asyncio.ensure_future(model.key(tenant.key_hash))
+        await asyncio.sleep(0)  # the first read is in flight
+        model.invalidate_all()
+        second = await model.key(tenant.key_hash)
+        assert (await first) is not None and second is not None
+        assert CountingRedis.gets == 2
+    finally:
+        await client.aclose()
