@@ -24,8 +24,9 @@ the single release for every ending, refunds the unused token estimate at once a
 the actual. A request that failed before producing anything (error or timeout with no
 completion tokens) is refunded entirely, its request included.
 
-``is_retry`` comes from the gateway: a request whose ``Idempotency-Key`` was seen before
-(an earlier attempt that failed) is a retry — R6's identity of retries.
+``is_retry`` comes from the gateway (R6's identity of retries): a request whose
+``Idempotency-Key`` was seen before (an earlier attempt that failed), or one the official
+openai SDK marks as its automatic retry (``x-stainless-retry-count`` > 0).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from gateway.http import (
     RequestHeaders,
     Send,
     read_body,
+    sdk_retry,
     send_bytes,
     send_error,
 )
@@ -89,6 +90,8 @@ class ChatCompletions:
                     return
                 claim = outcome
                 gw.metrics.idempotency.labels("retry" if claim.is_retry else "claimed").inc()
+            # R6: a retry is a failed Idempotency-Key's next attempt or an SDK retry.
+            is_retry = (claim is not None and claim.is_retry) or sdk_retry(hdrs.retry_count)
             ticket = await gw.admission.admit(
                 AdmissionRequest(
                     request_id=request_id,
@@ -97,7 +100,7 @@ class ChatCompletions:
                     version=version,
                     prompt_tokens_est=prompt_estimate,
                     max_output=max_tokens,
-                    is_retry=claim.is_retry if claim is not None else False,
+                    is_retry=is_retry,
                 )
             )
         except ClientGone:
@@ -127,7 +130,7 @@ class ChatCompletions:
             prompt_estimate=prompt_estimate,
             max_tokens=max_tokens,
             claim=claim,
-            is_retry=ticket_is_retry(claim),
+            is_retry=is_retry,
             started_at=started_at,
             t0=t0,
             headers=headers,
@@ -155,7 +158,3 @@ class ChatCompletions:
         await send_bytes(
             send, 200, replay.body, content_type, {**headers, "idempotent-replayed": "true"}
         )
-
-
-def ticket_is_retry(claim: Claim | None) -> bool:
-    return claim.is_retry if claim is not None else False

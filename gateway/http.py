@@ -30,6 +30,7 @@ class RequestHeaders:
     request_id: bytes | None = None
     idempotency_key: bytes | None = None
     content_length: bytes | None = None
+    retry_count: bytes | None = None  # x-stainless-retry-count (the openai SDKs' retries)
 
 
 def pick_headers(scope: Scope) -> RequestHeaders:
@@ -43,7 +44,18 @@ def pick_headers(scope: Scope) -> RequestHeaders:
             picked.idempotency_key = value
         elif name == b"content-length":
             picked.content_length = value
+        elif name == b"x-stainless-retry-count":
+            picked.retry_count = value
     return picked
+
+
+def sdk_retry(raw: bytes | None) -> bool:
+    """True when the official openai SDK says this is one of its automatic retries: it
+    sends ``x-stainless-retry-count: N`` on every attempt, 0 on the first. Advisory: a
+    malformed value is ignored (a first attempt), never refused."""
+    if raw is None or not raw.isdigit() or len(raw) > 9:
+        return False
+    return int(raw) > 0
 
 
 # Request ids need uniqueness, not secrecy: a per-process generator seeded from the OS once

@@ -198,7 +198,8 @@ class ReadModel:
                 async with asyncio.timeout(self._config.stale_refresh_timeout_s):
                     raw = await self._redis.get(redis_key)
         except (RedisError, TimeoutError) as exc:
-            if not down and isinstance(exc, RedisConnectionError | RedisTimeoutError | TimeoutError):
+            unreachable = isinstance(exc, RedisConnectionError | RedisTimeoutError | TimeoutError)
+            if unreachable and not down:
                 self._store_down_until = time.monotonic() + STORE_PROBE_S
                 log.warning("configuration store unreachable (%r); serving cached records", exc)
             if known is None:

@@ -438,6 +438,17 @@ def test_retry_budget_sheds_non_reserved_retries_with_30_to_60_s(
                 assert "x-ratelimit-limit-requests" in r.headers
         assert codes[:6].count("retry_budget_exhausted") == 0
         assert codes[6:] == ["retry_budget_exhausted"] * 2
+        # The openai SDK's own retries (x-stainless-retry-count: N > 0) are retries too,
+        # without an Idempotency-Key; its first attempts (N = 0) and junk values are not.
+        def sdk(count: str) -> str:
+            r = post(a, std, body, **{"x-stainless-retry-count": count})
+            return str(r.json()["error"]["code"])
+
+        assert sdk("1") == "retry_budget_exhausted"
+        assert sdk("3") == "retry_budget_exhausted"
+        assert sdk("0") != "retry_budget_exhausted"
+        assert sdk("-1") != "retry_budget_exhausted"
+        assert sdk("x") != "retry_budget_exhausted"
         # reserved retries are never shed; first attempts are never shed
         assert attempt(ent, "e0").json()["error"]["code"] != "retry_budget_exhausted"
         assert attempt(ent, "e0").json()["error"]["code"] != "retry_budget_exhausted"
@@ -451,10 +462,17 @@ def test_retry_budget_sheds_non_reserved_retries_with_30_to_60_s(
 # -- the official client honours retry-after-ms --------------------------------------------
 
 
+def retries_in_window(rdb: redis.Redis, version: str) -> int:
+    """Retries in the fleet's R6 window (slots ``"<index>:<admitted>:<retries>"``)."""
+    slots = rdb.hgetall(retry_key(version)).values()
+    return sum(int(slot.split(b":")[2]) for slot in slots)
+
+
 def test_openai_client_waits_retry_after_ms_then_succeeds(
-    rm: ReadModel, gws: tuple[GatewayProc, GatewayProc]
+    rm: ReadModel, gws: tuple[GatewayProc, GatewayProc], rdb: redis.Redis
 ) -> None:
     t = rm.tenant("standard", both(rpm=20))
+    rdb.delete(retry_key("fast-v1"))  # a fresh window: the retries below are the only ones
     for _ in range(25):  # drain the bucket
         if post(gws[0], t, chat_body("fast", 3, 1)).status_code == 429:
             break
@@ -473,6 +491,9 @@ def test_openai_client_waits_retry_after_ms_then_succeeds(
     http.close()
     assert completion.choices[0].message is not None
     assert [r.status_code for r in seen] == [429, 200]
+    # the SDK marked its second attempt as a retry, and the gateway counted it as one (R6)
+    assert seen[1].request.headers["x-stainless-retry-count"] == "1"
+    assert retries_in_window(rdb, "fast-v1") == 1
     wait_ms = int(seen[0].headers["retry-after-ms"])
     assert wait_ms >= 500  # at least the minimum jitter; the SDK's own first backoff is less
     assert elapsed >= wait_ms / 1000 - 0.05

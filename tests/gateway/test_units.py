@@ -16,6 +16,7 @@ from emulator.tokenizer import Tokenizer
 from gateway import schema, tokens
 from gateway.config import DEV_CACHE_SALT_KEY, DEV_KEY_PEPPER, ConfigError, GatewayConfig
 from gateway.errors import BadRequest, capacity_unavailable, jittered_retry_after
+from gateway.http import pick_headers, sdk_retry
 from gateway.metrics import GatewayMetrics
 from gateway.relay import CONTENT, END, ERROR, USAGE, StreamTracker
 from gateway.replicas import ReplicaRegistry, ReplicaState, histogram_quantile, parse_metrics
@@ -404,3 +405,17 @@ def test_tracker_without_usage_bills_counted_tokens_and_sees_errors() -> None:
     assert tracker.observe(b'{"error":{"message":"boom","code":500}}', 2.0) == ERROR
     assert tracker.error == {"message": "boom", "code": 500}
     assert StreamTracker().prompt_tokens(42) == 0  # never prefilled: no prompt billed
+
+
+def test_sdk_retry_count_marks_retries() -> None:
+    assert pick_headers({"headers": [(b"x-stainless-retry-count", b"2")]}).retry_count == b"2"
+    assert [sdk_retry(v) for v in (b"1", b"12", b"0", None, b"", b"-1", b"1.5", b"x")] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+        False,
+    ]
