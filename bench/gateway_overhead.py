@@ -5,24 +5,34 @@ replica and through ``python -m gateway`` in front of that replica, with everyth
 API-key auth, validation, admission (quota in Redis, routing), the upstream relay, and one
 usage event per request to the embedded Kafka-compatible broker through the fsync'd spool.
 
-Two measures of the added latency:
+Three arms, interleaved in short slices (direct, hop, gateway, then the reverse order) so
+that whatever else runs on the machine weighs on all of them alike:
 
-- client side: the difference of the latency distributions (direct vs via the gateway), for
-  streaming (time to first token, and to the end of the stream) and JSON requests. The two
-  arms alternate in short slices so that whatever else runs on the machine weighs on both;
+- direct: the client talks to the replica;
+- one extra hop: the client talks to a byte-forwarding TCP proxy (uvloop, no parsing) in
+  front of the replica — the floor that *any* component in the path pays on this machine
+  (two more loopback hops and process wake-ups per direction), measured, not assumed;
+- via the gateway.
+
+Two measures of the gateway's added latency:
+
+- client side: the difference of the latency distributions (via the gateway − direct), per
+  quantile, for streaming (time to first token, and to the end of the stream) and JSON
+  requests, with the ratio to the same run's direct figure;
 - server side: the gateway's ``fairway_gateway_added_seconds`` histogram — its time before
   the upstream request leaves plus its time from the upstream's first token (SSE) or last
-  event (JSON) to the client's socket — which is blind to the extra loopback hop but not
-  to other processes' noise.
+  event (JSON) to the client's socket — which is blind to the extra hop and to the wait for
+  the event loop, but not to other processes' noise.
 
 Then a sweep with one gateway worker raises the streaming rate until the client-side p99
 time to first token through the gateway passes 100 ms: the highest rate one worker
 sustains. CPU per request is the gateway processes' user+system CPU over the requests they
 served.
 
-Everything runs on this machine's cores (replica, gateway, load generator, Redis and broker
-share them), so these are the figures of this box under whatever else it was running (the
-load average is in the report), not those of a dedicated host.
+Everything runs on this machine's cores (replica, gateway, proxy, load generator, Redis and
+broker share them), so these are the figures of this box under whatever else it was
+running (the load average is in the report), not those of a dedicated host. The load
+generator is one asyncio process at ~20 % of a core at 200 streams/s: not the bottleneck.
 
 ``python -m bench.gateway_overhead`` writes bench/results/gateway_overhead.md (< 3 min).
 """
@@ -34,6 +44,7 @@ import asyncio
 import contextlib
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -98,6 +109,19 @@ class Arm:
         bounds = tuple(sorted(self.added))
         value = histogram_quantile(q, bounds, (self.added[b] for b in bounds)) if bounds else None
         return float("nan") if value is None else value
+
+
+@dataclass(slots=True)
+class Comparison:
+    stream: bool
+    direct: Arm
+    via: Arm
+    hop: Arm | None
+    load_start: float = 0.0
+    load_end: float = 0.0
+
+    def added(self, attr: str, q: float) -> float:
+        return self.via.quantile(attr, q) - self.direct.quantile(attr, q)
 
 
 def body(i: int, stream: bool, max_tokens: int) -> bytes:
@@ -177,6 +201,90 @@ def session() -> aiohttp.ClientSession:
     )
 
 
+# -- one extra hop: a byte-forwarding proxy ------------------------------------------------
+
+
+class _Upstream(asyncio.Protocol):
+    def __init__(self, client: asyncio.Transport) -> None:
+        self.client = client
+
+    def data_received(self, data: bytes) -> None:
+        self.client.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client.close()
+
+
+class _Client(asyncio.Protocol):
+    """Forwards bytes both ways, nothing else: no parsing, no buffering beyond the socket."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.upstream: asyncio.Transport | None = None
+        self.early: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        asyncio.get_running_loop().create_task(self._connect())
+
+    async def _connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            client = self.transport
+            upstream, _ = await loop.create_connection(
+                lambda: _Upstream(client),  # type: ignore[arg-type]
+                "127.0.0.1",
+                self.target,
+            )
+        except OSError:
+            self.transport.close()
+            return
+        self.upstream = upstream  # type: ignore[assignment]
+        for data in self.early:
+            upstream.write(data)
+        self.early.clear()
+
+    def data_received(self, data: bytes) -> None:
+        if self.upstream is None:
+            self.early.append(data)
+        else:
+            self.upstream.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.upstream is not None:
+            self.upstream.close()
+
+
+async def forward(listen: int, target: int) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _Client(target), "127.0.0.1", listen)
+    print("FORWARDING", flush=True)
+    await server.serve_forever()
+
+
+class Hop:
+    """The forwarder as its own process (its own core time, like the gateway's)."""
+
+    def __init__(self, target_url: str) -> None:
+        self.port = cluster.free_port()
+        target = int(target_url.rsplit(":", 1)[1])
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.gateway_overhead", "--forward", str(self.port),
+             str(target)],
+            cwd=cluster.ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != b"FORWARDING":
+            self.stop()
+            raise RuntimeError("the forwarder did not start")
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
 # -- measuring the gateway ------------------------------------------------------------------
 
 
@@ -230,30 +338,50 @@ async def interleaved(
     s: aiohttp.ClientSession,
     direct_url: str,
     gw: cluster.Gateway,
+    hop: Hop | None,
     auth: dict[str, str],
     args: argparse.Namespace,
     stream: bool,
-) -> tuple[Arm, Arm]:
+) -> Comparison:
+    """The arms in alternating order slice by slice (d, h, g, then g, h, d, ...), each
+    slice the same Poisson schedule (same seed), so drift and noise weigh on all alike."""
     mode = "SSE" if stream else "JSON"
-    direct = Arm(f"{mode} direct", args.rate, stream)
-    via = Arm(f"{mode} via gateway", args.rate, stream)
-    via_url = gw.base_url + "/v1/chat/completions"
+    cmp = Comparison(
+        stream=stream,
+        direct=Arm(f"{mode} direct", args.rate, stream),
+        via=Arm(f"{mode} via gateway", args.rate, stream),
+        hop=Arm(f"{mode} one extra hop", args.rate, stream) if hop is not None else None,
+        load_start=os.getloadavg()[0],
+    )
+    path = "/v1/chat/completions"
     for k in range(args.slices):
-        started = time.perf_counter()
-        direct.samples += await offer(
-            s, direct_url, {}, args.rate, args.slice_s, stream, args.max_tokens, seed=2 * k + 1
-        )
-        direct.wall_s += time.perf_counter() - started
-        started = time.perf_counter()
-        with GatewayProbe(gw) as probe:
-            via.samples += await offer(
-                s, via_url, auth, args.rate, args.slice_s, stream, args.max_tokens, seed=2 * k + 1
-            )
-        via.wall_s += time.perf_counter() - started
-        via.cpu_s += probe.cpu
-        for le, count in probe.added.items():
-            via.added[le] = via.added.get(le, 0.0) + count
-    return direct, via
+        order = ["direct", "hop", "via"] if k % 2 == 0 else ["via", "hop", "direct"]
+        for name in order:
+            seed = 2 * k + 1
+            started = time.perf_counter()
+            if name == "direct":
+                cmp.direct.samples += await offer(
+                    s, direct_url, {}, args.rate, args.slice_s, stream, args.max_tokens, seed
+                )
+                cmp.direct.wall_s += time.perf_counter() - started
+            elif name == "hop" and hop is not None and cmp.hop is not None:
+                cmp.hop.samples += await offer(
+                    s, hop.base_url + path, {}, args.rate, args.slice_s, stream, args.max_tokens,
+                    seed,
+                )  # fmt: skip
+                cmp.hop.wall_s += time.perf_counter() - started
+            elif name == "via":
+                with GatewayProbe(gw) as probe:
+                    cmp.via.samples += await offer(
+                        s, gw.base_url + path, auth, args.rate, args.slice_s, stream,
+                        args.max_tokens, seed,
+                    )  # fmt: skip
+                cmp.via.wall_s += time.perf_counter() - started
+                cmp.via.cpu_s += probe.cpu
+                for le, count in probe.added.items():
+                    cmp.via.added[le] = cmp.via.added.get(le, 0.0) + count
+    cmp.load_end = os.getloadavg()[0]
+    return cmp
 
 
 def seed(redis_url: str, replica_url: str) -> str:
@@ -301,9 +429,17 @@ def per_request(arm: Arm) -> str:
     return f"{arm.cpu_s / max(1, len(arm.ok)) * 1000:.2f} ms"
 
 
+TARGET_P50_MS = 2.0
+TARGET_P99_MS = 10.0
+
+
+def ratio(via: float, direct: float) -> str:
+    return "n/a" if via != via or direct != direct or direct <= 0 else f"{via / direct:.2f}×"  # noqa: PLR0124
+
+
 def render(
     args: argparse.Namespace,
-    comparisons: dict[int, list[tuple[Arm, Arm]]],
+    comparisons: dict[int, list[Comparison]],
     sweep: list[Arm],
     sustained: float | None,
     took_s: float,
@@ -318,53 +454,88 @@ def render(
         f"{load[1]:.1f} at the end (other work on the machine shares its cores).",
         "",
         f"One emulated replica (`{PROFILE}`, `--speed 1`: real-time token pacing, "
-        f"{args.max_tokens} output tokens per request with `ignore_eos`), loaded straight and "
+        f"{args.max_tokens} output tokens per request with `ignore_eos`), loaded straight, "
+        "through a byte-forwarding TCP proxy (the floor of one extra hop on this machine) and "
         "through `python -m gateway` in front of it with API-key auth, validation, admission "
         "(quota in Redis, routing), relay and a usage event per request to the embedded "
         "Kafka-compatible broker through the fsync'd spool. Open-loop Poisson arrivals; the "
-        f"direct and gateway arms alternate in {args.slices} slices of {args.slice_s:.0f} s.",
+        f"arms alternate in {args.slices} slices of {args.slice_s:.0f} s each (order reversed "
+        "every slice), every arm replaying the same arrival schedule.",
         "",
-        "Client side: via the gateway − direct, per quantile. Server side: the gateway's own "
-        "time in each request (`fairway_gateway_added_seconds`: before the upstream send, plus "
-        "first token — or, for JSON, the end — to the client's socket); the client side also "
-        "pays the extra loopback hop and the wait for a core on a machine this busy.",
+        "Client side: via the gateway − direct, per quantile, and via ÷ direct (the same "
+        "run's baseline). Server side: the gateway's own time in each request "
+        "(`fairway_gateway_added_seconds`: before the upstream send, plus first token — or, "
+        "for JSON, the end — to the client's socket); the client side also pays the extra "
+        "loopback hop and the waits for the event loop and for a core on a machine this busy.",
+        "",
+        "## Targets (issue 4): added time to first token at 200 streaming requests/s",
+        "",
+        f"p50 ≤ {TARGET_P50_MS:.0f} ms and p99 ≤ {TARGET_P99_MS:.0f} ms, client side.",
+        "",
+        "| gateway | added TTFT p50 | p99 | of which one extra hop (p50 / p99) | server-side "
+        "own time p50 / p99 | load average | met? |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
-    for workers, pairs in comparisons.items():
-        lines += comparison(args, workers, pairs)
+    for workers, cmps in comparisons.items():
+        for c in cmps:
+            if not c.stream:
+                continue
+            p50, p99 = c.added("ttft", 0.5), c.added("ttft", 0.99)
+            hop = (
+                f"{ms(c.hop.quantile('ttft', 0.5) - c.direct.quantile('ttft', 0.5))} / "
+                f"{ms(c.hop.quantile('ttft', 0.99) - c.direct.quantile('ttft', 0.99))}"
+                if c.hop is not None
+                else "n/a"
+            )
+            met = [
+                f"p50 {'yes' if p50 * 1000 <= TARGET_P50_MS else 'no'}",
+                f"p99 {'yes' if p99 * 1000 <= TARGET_P99_MS else 'no'}",
+            ]
+            lines.append(
+                f"| `--workers {workers}` | {ms(p50)} ms | {ms(p99)} ms | {hop} ms | "
+                f"{ms(c.via.added_quantile(0.5))} / {ms(c.via.added_quantile(0.99))} ms | "
+                f"{c.load_start:.1f} → {c.load_end:.1f} | {', '.join(met)} |"
+            )
+    for workers, cmps in comparisons.items():
+        lines += comparison(args, workers, cmps)
     lines += sweep_section(args, sweep, sustained)
     return "\n".join(lines) + "\n"
 
 
-def comparison(args: argparse.Namespace, workers: int, pairs: list[tuple[Arm, Arm]]) -> list[str]:
+def comparison(args: argparse.Namespace, workers: int, cmps: list[Comparison]) -> list[str]:
     lines = [
         "",
         f"## Added latency at {args.rate:.0f} requests/s, gateway `--workers {workers}`",
         "",
-        "| mode | measure | direct (ms) | via gateway (ms) | added, client side (ms) |",
-        "|---|---|---:|---:|---:|",
+        "| mode | measure | direct (ms) | one extra hop (ms) | via gateway (ms) | "
+        "added by the gateway (ms) | via ÷ direct |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for direct, via in pairs:
-        measures = [("ttft", "time to first token")] if direct.stream else []
-        measures.append(("total", "end of stream" if direct.stream else "whole JSON response"))
+    for c in cmps:
+        measures = [("ttft", "time to first token")] if c.stream else []
+        measures.append(("total", "end of stream" if c.stream else "whole JSON response"))
         for attr, label in measures:
             for q, qn in ((0.5, "p50"), (0.99, "p99")):
-                d, g = direct.quantile(attr, q), via.quantile(attr, q)
+                d, g = c.direct.quantile(attr, q), c.via.quantile(attr, q)
+                h = ms(c.hop.quantile(attr, q)) if c.hop is not None else "—"
                 lines.append(
-                    f"| {'SSE' if direct.stream else 'JSON'} | {label} {qn} | {ms(d)} "
-                    f"| {ms(g)} | **{ms(g - d)}** |"
+                    f"| {'SSE' if c.stream else 'JSON'} | {label} {qn} | {ms(d)} | {h} "
+                    f"| {ms(g)} | **{ms(g - d)}** | {ratio(g, d)} |"
                 )
     lines += [
         "",
-        "| mode | requests (direct / via) | errors | server-side added p50 | p99 | "
-        "gateway CPU per request |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| mode | requests (direct / hop / via) | errors (direct / hop / via) | server-side "
+        "own time p50 | p99 | gateway CPU per request | load average |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for direct, via in pairs:
+    for c in cmps:
+        hop_n = str(len(c.hop.samples)) if c.hop is not None else "—"
+        hop_e = str(c.hop.errors) if c.hop is not None else "—"
         lines.append(
-            f"| {'SSE' if direct.stream else 'JSON'} | {len(direct.samples)} / "
-            f"{len(via.samples)} | {direct.errors} / {via.errors} | "
-            f"{ms(via.added_quantile(0.5))} ms | {ms(via.added_quantile(0.99))} ms | "
-            f"{per_request(via)} |"
+            f"| {'SSE' if c.stream else 'JSON'} | {len(c.direct.samples)} / {hop_n} / "
+            f"{len(c.via.samples)} | {c.direct.errors} / {hop_e} / {c.via.errors} | "
+            f"{ms(c.via.added_quantile(0.5))} ms | {ms(c.via.added_quantile(0.99))} ms | "
+            f"{per_request(c.via)} | {c.load_start:.1f} → {c.load_end:.1f} |"
         )
     return lines
 
@@ -415,25 +586,39 @@ async def main_async(args: argparse.Namespace) -> int:
         with spawn_emulator(PROFILE, VERSION, 1.0, log_level="error") as replica:
             auth = {"authorization": f"Bearer {seed(redis_url, replica.base_url)}"}
             direct_url = replica.base_url + "/v1/chat/completions"
-            comparisons: dict[int, list[tuple[Arm, Arm]]] = {}
-            for workers in args.workers:
-                gw = cluster.start_gateway(redis_url, workers, env, workdir)
-                gateways.append(gw)
-                async with session() as s:
-                    # Warm both paths (connections, caches, first-touch costs).
-                    await offer(s, direct_url, {}, 50, 1.0, True, 4, seed=99)
-                    await offer(s, gw.base_url + "/v1/chat/completions", auth, 50, 1.0, True, 4, 99)
-                    pairs = []
-                    for stream in (True, False):
-                        print(
-                            f"--workers {workers}, {'SSE' if stream else 'JSON'} at "
-                            f"{args.rate:.0f} req/s: direct and via the gateway, alternating",
-                            flush=True,
-                        )
-                        pairs.append(await interleaved(s, direct_url, gw, auth, args, stream))
-                    comparisons[workers] = pairs
-                gw.stop()
-                gateways.remove(gw)
+            comparisons: dict[int, list[Comparison]] = {}
+            hop = Hop(replica.base_url)
+            try:
+                for workers in args.workers:
+                    gw = cluster.start_gateway(redis_url, workers, env, workdir)
+                    gateways.append(gw)
+                    async with session() as s:
+                        # Warm every path (connections, caches, first-touch costs).
+                        for url, headers in (
+                            (direct_url, {}),
+                            (hop.base_url + "/v1/chat/completions", {}),
+                            (gw.base_url + "/v1/chat/completions", auth),
+                        ):
+                            await offer(s, url, headers, 50, 1.0, True, 4, seed=99)
+                        cmps = []
+                        for stream in (True, False):
+                            print(
+                                f"--workers {workers}, {'SSE' if stream else 'JSON'} at "
+                                f"{args.rate:.0f} req/s: direct, "
+                                f"{'one extra hop, ' if stream else ''}via the gateway, "
+                                "alternating",
+                                flush=True,
+                            )
+                            cmps.append(
+                                await interleaved(
+                                    s, direct_url, gw, hop if stream else None, auth, args, stream
+                                )
+                            )
+                        comparisons[workers] = cmps
+                    gw.stop()
+                    gateways.remove(gw)
+            finally:
+                hop.stop()
 
             one = cluster.start_gateway(redis_url, 1, env, workdir)
             gateways.append(one)
@@ -503,9 +688,19 @@ def main(argv: list[str] | None = None) -> int:
         default=150.0,
         help="stop the sweep once the whole run has taken this long",
     )
+    parser.add_argument(
+        "--forward",
+        nargs=2,
+        type=int,
+        metavar=("LISTEN", "TARGET"),
+        help=argparse.SUPPRESS,  # internal: run the one-extra-hop forwarder
+    )
     args = parser.parse_args(argv)
     import uvloop
 
+    if args.forward:
+        uvloop.run(forward(*args.forward))
+        return 0
     return uvloop.run(main_async(args))
 
 
