@@ -195,7 +195,12 @@ class ScriptChannel:
         if protocol is None or protocol.lost is not None:
             protocol = await self._connect()
         futures = [self._enqueue(protocol, cmd) for cmd in commands]
-        return list(await self._wait(protocol, asyncio.gather(*futures)))
+        # Every reply retrieved (no "exception never retrieved"), the first error raised.
+        replies = await self._wait(protocol, asyncio.gather(*futures, return_exceptions=True))
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        return list(replies)
 
     def _enqueue(self, protocol: _Protocol, command: bytes) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -272,9 +277,15 @@ class ScriptChannel:
             if self._db:
                 setup.append(pack(b"SELECT", self._db))
             if setup:
-                await self._wait(
-                    protocol, asyncio.gather(*(self._enqueue(protocol, c) for c in setup))
+                replies = await self._wait(
+                    protocol,
+                    asyncio.gather(
+                        *(self._enqueue(protocol, c) for c in setup), return_exceptions=True
+                    ),
                 )
+                for reply in replies:
+                    if isinstance(reply, BaseException):
+                        raise reply
         except ResponseError as exc:
             assert protocol.transport is not None
             protocol.transport.close()
