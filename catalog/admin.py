@@ -13,8 +13,15 @@ from catalog.models import ModelFamily, ModelVersion, Replica
 class ModelVersionInline(admin.TabularInline):
     model = ModelVersion
     extra = 0
-    fields = ("name", "is_current", "is_active", "context_length", "kv_bytes_per_token",
-              "tpot_target_ms", "kv_capacity_tokens")
+    fields = (
+        "name",
+        "is_current",
+        "is_active",
+        "context_length",
+        "kv_bytes_per_token",
+        "tpot_target_ms",
+        "kv_capacity_tokens",
+    )
     show_change_link = True
 
 
@@ -32,10 +39,19 @@ class ReplicaInline(admin.TabularInline):
 
 @admin.register(ModelVersion)
 class ModelVersionAdmin(admin.ModelAdmin):
-    list_display = ("name", "family", "is_current", "is_active", "context_length",
-                    "kv_bytes_per_token", "tpot_target_ms", "kv_capacity_tokens",
-                    "price_prompt_per_mtok", "price_cached_prompt_per_mtok",
-                    "price_completion_per_mtok")
+    list_display = (
+        "name",
+        "family",
+        "is_current",
+        "is_active",
+        "context_length",
+        "kv_bytes_per_token",
+        "tpot_target_ms",
+        "kv_capacity_tokens",
+        "price_prompt_per_mtok",
+        "price_cached_prompt_per_mtok",
+        "price_completion_per_mtok",
+    )
     list_filter = ("family", "is_current", "is_active")
     inlines = [ReplicaInline]
     actions = ["make_current"]

@@ -9,10 +9,17 @@ from django.db import transaction
 
 from catalog.models import ModelFamily, ModelVersion, Replica
 
-VERSION_FIELDS = ("context_length", "kv_bytes_per_token", "tpot_target_ms",
-                  "kv_capacity_tokens", "price_prompt_per_mtok",
-                  "price_cached_prompt_per_mtok", "price_completion_per_mtok", "currency",
-                  "is_active")
+VERSION_FIELDS = (
+    "context_length",
+    "kv_bytes_per_token",
+    "tpot_target_ms",
+    "kv_capacity_tokens",
+    "price_prompt_per_mtok",
+    "price_cached_prompt_per_mtok",
+    "price_completion_per_mtok",
+    "currency",
+    "is_active",
+)
 
 
 @transaction.atomic
@@ -32,7 +39,8 @@ def version_upsert(*, family: ModelFamily, name: str, **values: Any) -> ModelVer
     if unknown:
         raise TypeError(f"unknown version fields: {unknown}")
     version = ModelVersion.objects.filter(name=name).first() or ModelVersion(
-        family=family, name=name)
+        family=family, name=name
+    )
     for field, value in values.items():
         setattr(version, field, Decimal(str(value)) if field.startswith("price_") else value)
     version.full_clean()
@@ -45,10 +53,15 @@ def version_make_current(*, version: ModelVersion) -> ModelVersion:
     """Point the family alias at this version (the previous current one stays pinnable)."""
     # Lock the family's versions in pk order, then clear before setting: the partial unique
     # constraint allows one current version per family at every moment.
-    list(ModelVersion.objects.select_for_update().filter(family=version.family_id)
-         .order_by("pk").values_list("pk", flat=True))
+    list(
+        ModelVersion.objects.select_for_update()
+        .filter(family=version.family_id)
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
     for other in ModelVersion.objects.filter(family=version.family_id, is_current=True).exclude(
-            pk=version.pk):
+        pk=version.pk
+    ):
         other.is_current = False
         other.save(update_fields=["is_current"])
     version.is_current = True
@@ -58,8 +71,14 @@ def version_make_current(*, version: ModelVersion) -> ModelVersion:
 
 
 @transaction.atomic
-def replica_upsert(*, version: ModelVersion, name: str, base_url: str,
-                   pool: str = "shared", is_enabled: bool = True) -> Replica:
+def replica_upsert(
+    *,
+    version: ModelVersion,
+    name: str,
+    base_url: str,
+    pool: str = "shared",
+    is_enabled: bool = True,
+) -> Replica:
     replica = Replica.objects.filter(name=name).first() or Replica(name=name)
     replica.version = version
     replica.base_url = base_url

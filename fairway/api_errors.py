@@ -44,8 +44,14 @@ class Conflict(exceptions.APIException):
     default_code = "conflict"
 
 
-def error_body(*, message: str, status_code: int, code: str | None, param: str | None = None,
-               fields: dict[str, list[str]] | None = None) -> dict[str, Any]:
+def error_body(
+    *,
+    message: str,
+    status_code: int,
+    code: str | None,
+    param: str | None = None,
+    fields: dict[str, list[str]] | None = None,
+) -> dict[str, Any]:
     error: dict[str, Any] = {
         "message": message,
         "type": _TYPES.get(status_code, "server_error" if status_code >= 500 else "api_error"),
@@ -102,18 +108,21 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         path, message, code = leaves[0] if leaves else (NON_FIELD, "Invalid input.", "invalid")
         param = None if path == NON_FIELD else path
         text = f"{param}: {message}" if param else message
-        response.data = error_body(message=text, status_code=response.status_code, code=code,
-                                   param=param, fields=fields)
+        response.data = error_body(
+            message=text, status_code=response.status_code, code=code, param=param, fields=fields
+        )
     elif isinstance(exc, exceptions.APIException):
         codes = exc.get_codes()
         code = codes if isinstance(codes, str) else exc.default_code
-        response.data = error_body(message=str(exc.detail), status_code=response.status_code,
-                                   code=str(code))
+        response.data = error_body(
+            message=str(exc.detail), status_code=response.status_code, code=str(code)
+        )
     return response
 
 
 def api_not_found(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
     """Unknown paths under /api/ answer in the API's error shape, not Django's HTML page."""
-    body = error_body(message=f"Unknown API path: {request.path}", status_code=404,
-                      code="not_found")
+    body = error_body(
+        message=f"Unknown API path: {request.path}", status_code=404, code="not_found"
+    )
     return JsonResponse(body, status=404)

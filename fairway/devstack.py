@@ -76,8 +76,8 @@ def banner(env: dict[str, str]) -> str:
         f"  Redis: {env['REDIS_URL']}   Kafka: {env['KAFKA_BOOTSTRAP']}",
         "  Try: curl -N http://127.0.0.1:8080/v1/chat/completions \\",
         '         -H "Authorization: Bearer $KEY" -H "Content-Type: application/json" \\',
-        "         -d '{\"model\":\"llama-8b\",\"stream\":true,"
-        "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'",
+        '         -d \'{"model":"llama-8b","stream":true,'
+        '"messages":[{"role":"user","content":"hi"}]}\'',
         "  Ctrl-C stops everything.",
         "",
     ]
@@ -108,19 +108,26 @@ def main() -> int:
                 replica.name,
                 f"{py} -m emulator --profile {replica.profile} --model {replica.model} "
                 f"--port {replica.port} --speed 1",
-                env=env, cwd=str(ROOT),
+                env=env,
+                cwd=str(ROOT),
             )
         manager.add_process(
-            "gateway", f"{py} -m gateway --host 127.0.0.1 --port {GATEWAY_PORT} --workers 2",
-            env=env, cwd=str(ROOT),
+            "gateway",
+            f"{py} -m gateway --host 127.0.0.1 --port {GATEWAY_PORT} --workers 2",
+            env=env,
+            cwd=str(ROOT),
         )
         manager.add_process(
-            "console", f"{py} manage.py runserver 127.0.0.1:{CONSOLE_PORT} --noreload",
-            env=env, cwd=str(ROOT),
+            "console",
+            f"{py} manage.py runserver 127.0.0.1:{CONSOLE_PORT} --noreload",
+            env=env,
+            cwd=str(ROOT),
         )
         manager.add_process(
-            "celery", f"{py} -m celery -A fairway.celery worker --beat -l info -c 1",
-            env=env, cwd=str(ROOT),
+            "celery",
+            f"{py} -m celery -A fairway.celery worker --beat -l info -c 1",
+            env=env,
+            cwd=str(ROOT),
         )
         print(banner(env), flush=True)
         manager.loop()

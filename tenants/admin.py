@@ -64,23 +64,50 @@ class TenantAdmin(admin.ModelAdmin):
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    list_display = ("prefix", "name", "tenant", "scopes", "created_at", "last_used_at",
-                    "expires_at", "revoked_at")
+    list_display = (
+        "prefix",
+        "name",
+        "tenant",
+        "scopes",
+        "created_at",
+        "last_used_at",
+        "expires_at",
+        "revoked_at",
+    )
     list_filter = (("revoked_at", admin.EmptyFieldListFilter), "tenant__plan")
     search_fields = ("prefix", "name", "tenant__name")
     # key_hash is deliberately in no field list: operators never see it.
-    readonly_fields = ("id", "prefix", "created_by", "created_at", "last_used_at",
-                       "revoked_at", "revoked_by")
+    readonly_fields = (
+        "id",
+        "prefix",
+        "created_by",
+        "created_at",
+        "last_used_at",
+        "revoked_at",
+        "revoked_by",
+    )
     actions = ["revoke"]
 
     def get_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> list[str]:
         if obj is None:
             return ["tenant", "name", "scopes", "expires_at"]
-        return ["id", "tenant", "name", "prefix", "scopes", "created_by", "created_at",
-                "last_used_at", "expires_at", "revoked_at", "revoked_by"]
+        return [
+            "id",
+            "tenant",
+            "name",
+            "prefix",
+            "scopes",
+            "created_by",
+            "created_at",
+            "last_used_at",
+            "expires_at",
+            "revoked_at",
+            "revoked_by",
+        ]
 
-    def get_readonly_fields(self, request: HttpRequest,
-                            obj: ApiKey | None = None) -> tuple[str, ...]:
+    def get_readonly_fields(
+        self, request: HttpRequest, obj: ApiKey | None = None
+    ) -> tuple[str, ...]:
         if obj is None:
             return ()
         return (*self.readonly_fields, "tenant", "scopes")
@@ -90,8 +117,12 @@ class ApiKeyAdmin(admin.ModelAdmin):
             super().save_model(request, obj, form, change)
             return
         created, secret = services.api_key_create(
-            tenant=obj.tenant, name=obj.name, scopes=obj.scopes, created_by=request.user,
-            expires_at=obj.expires_at)
+            tenant=obj.tenant,
+            name=obj.name,
+            scopes=obj.scopes,
+            created_by=request.user,
+            expires_at=obj.expires_at,
+        )
         obj.pk = created.pk
         obj.__dict__.update({k: v for k, v in created.__dict__.items() if k != "_state"})
         obj._state.adding = False

@@ -43,8 +43,9 @@ class TenantListApi(APIView):
     class TenantCreateInput(serializers.Serializer):
         name = serializers.CharField(max_length=100)
         plan = serializers.SlugRelatedField(slug_field="name", queryset=Plan.objects.all())
-        owner = serializers.CharField(required=False, help_text="Username or email of an "
-                                                                "existing user.")
+        owner = serializers.CharField(
+            required=False, help_text="Username or email of an existing user."
+        )
         billing_email = serializers.EmailField(default="")
 
     @extend_schema(responses=TenantOutput(many=True))
@@ -59,10 +60,12 @@ class TenantListApi(APIView):
             raise PermissionDenied("Only operators may create tenants.")
         data = _valid(self.TenantCreateInput, request)
         owner = _user_by_login(data["owner"], field="owner") if data.get("owner") else None
-        tenant = services.tenant_create(name=data["name"], plan=data["plan"], owner=owner,
-                                        billing_email=data["billing_email"])
-        return Response(TenantOutput(tenant, context={"roles": {}}).data,
-                        status=status.HTTP_201_CREATED)
+        tenant = services.tenant_create(
+            name=data["name"], plan=data["plan"], owner=owner, billing_email=data["billing_email"]
+        )
+        return Response(
+            TenantOutput(tenant, context={"roles": {}}).data, status=status.HTTP_201_CREATED
+        )
 
 
 class TenantDetailApi(APIView):
@@ -70,8 +73,9 @@ class TenantDetailApi(APIView):
         name = serializers.CharField(max_length=100, required=False)
         billing_email = serializers.EmailField(required=False, allow_blank=True)
         # Operators only:
-        plan = serializers.SlugRelatedField(slug_field="name", queryset=Plan.objects.all(),
-                                            required=False)
+        plan = serializers.SlugRelatedField(
+            slug_field="name", queryset=Plan.objects.all(), required=False
+        )
         suspended = serializers.BooleanField(required=False)
 
     @extend_schema(responses=TenantOutput)
@@ -88,8 +92,9 @@ class TenantDetailApi(APIView):
             access.require_staff("change a tenant's plan or suspension")
         tenant = access.tenant
         if "name" in data or "billing_email" in data:
-            tenant = services.tenant_update(tenant=tenant, name=data.get("name"),
-                                            billing_email=data.get("billing_email"))
+            tenant = services.tenant_update(
+                tenant=tenant, name=data.get("name"), billing_email=data.get("billing_email")
+            )
         if "plan" in data:
             tenant = services.tenant_change_plan(tenant=tenant, plan=data["plan"])
         if "suspended" in data:
@@ -128,8 +133,9 @@ class MemberListApi(APIView):
     def get(self, request: Request, tenant_id: UUID) -> Response:
         access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
         access.require(selectors.MEMBER_MANAGERS, "see members")
-        return Response(MemberOutput(selectors.membership_list(tenant=access.tenant),
-                                     many=True).data)
+        return Response(
+            MemberOutput(selectors.membership_list(tenant=access.tenant), many=True).data
+        )
 
     @extend_schema(request=MemberAddInput, responses={201: MemberOutput})
     def post(self, request: Request, tenant_id: UUID) -> Response:
@@ -146,8 +152,9 @@ class MemberDetailApi(APIView):
     class MemberRoleInput(serializers.Serializer):
         role = serializers.ChoiceField(choices=Role.choices)
 
-    def _get(self, request: Request, tenant_id: UUID,
-             member_id: int) -> tuple[selectors.TenantAccess, Membership]:
+    def _get(
+        self, request: Request, tenant_id: UUID, member_id: int
+    ) -> tuple[selectors.TenantAccess, Membership]:
         access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
         access.require(selectors.MEMBER_MANAGERS, "manage members")
         return access, selectors.membership_get(tenant=access.tenant, membership_id=member_id)
@@ -182,8 +189,7 @@ class KeyOutput(serializers.Serializer):
     prefix = serializers.CharField()
     scopes = serializers.ListField(child=serializers.CharField())
     status = serializers.SerializerMethodField()
-    created_by = serializers.CharField(source="created_by.username", allow_null=True,
-                                       default=None)
+    created_by = serializers.CharField(source="created_by.username", allow_null=True, default=None)
     created_at = serializers.DateTimeField()
     last_used_at = serializers.DateTimeField(allow_null=True)
     expires_at = serializers.DateTimeField(allow_null=True)
@@ -202,10 +208,16 @@ class KeyCreatedOutput(KeyOutput):
 class KeyListApi(APIView):
     class KeyCreateInput(serializers.Serializer):
         name = serializers.CharField(max_length=100)
-        scopes = serializers.ListField(child=serializers.ChoiceField(
-            choices=SCOPES, error_messages={"invalid_choice": f'Unknown scope "{{input}}"; '
-                                                              f'known: {", ".join(SCOPES)}.'}),
-                                       allow_empty=False, default=list(SCOPES))
+        scopes = serializers.ListField(
+            child=serializers.ChoiceField(
+                choices=SCOPES,
+                error_messages={
+                    "invalid_choice": f'Unknown scope "{{input}}"; known: {", ".join(SCOPES)}.'
+                },
+            ),
+            allow_empty=False,
+            default=list(SCOPES),
+        )
         expires_at = serializers.DateTimeField(allow_null=True, default=None)
 
     @extend_schema(responses=KeyOutput(many=True))
@@ -220,8 +232,12 @@ class KeyListApi(APIView):
         access.require(selectors.KEY_WRITERS, "create API keys")
         data = _valid(self.KeyCreateInput, request)
         api_key, secret = services.api_key_create(
-            tenant=access.tenant, name=data["name"], scopes=data["scopes"],
-            created_by=request.user, expires_at=data["expires_at"])
+            tenant=access.tenant,
+            name=data["name"],
+            scopes=data["scopes"],
+            created_by=request.user,
+            expires_at=data["expires_at"],
+        )
         body = dict(KeyOutput(api_key).data)
         body["secret"] = secret
         response = Response(body, status=status.HTTP_201_CREATED)
@@ -234,8 +250,7 @@ class KeyDetailApi(APIView):
     def get(self, request: Request, tenant_id: UUID, key_id: UUID) -> Response:
         access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
         access.require(selectors.KEY_READERS, "see API keys")
-        return Response(KeyOutput(selectors.api_key_get(tenant=access.tenant,
-                                                        key_id=key_id)).data)
+        return Response(KeyOutput(selectors.api_key_get(tenant=access.tenant, key_id=key_id)).data)
 
 
 class KeyRevokeApi(APIView):
@@ -270,11 +285,9 @@ class LimitListApi(APIView):
         model = serializers.CharField(help_text="Model family, e.g. llama-70b.")
         rpm = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
         tpm = serializers.IntegerField(min_value=0, max_value=MAX_LIMIT, required=False)
-        max_context = serializers.IntegerField(min_value=0, max_value=2**31 - 1,
-                                               required=False)
+        max_context = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
         max_output = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
-        kv_seconds_cap = serializers.IntegerField(min_value=0, max_value=MAX_LIMIT,
-                                                  required=False)
+        kv_seconds_cap = serializers.IntegerField(min_value=0, max_value=MAX_LIMIT, required=False)
         reserved_kv = serializers.IntegerField(min_value=0, max_value=MAX_LIMIT, required=False)
 
         def validate_model(self, value: str) -> ModelFamily:
@@ -284,9 +297,9 @@ class LimitListApi(APIView):
             version = ModelVersion.objects.filter(name=value).select_related("family").first()
             if version is not None:
                 raise serializers.ValidationError(
-                    f"Limits are set per model family; use '{version.family.name}'.")
-            raise serializers.ValidationError(f"Unknown model '{value}'.",
-                                              code="model_not_found")
+                    f"Limits are set per model family; use '{version.family.name}'."
+                )
+            raise serializers.ValidationError(f"Unknown model '{value}'.", code="model_not_found")
 
     @extend_schema(responses=LimitOutput(many=True))
     def get(self, request: Request, tenant_id: UUID) -> Response:
@@ -312,8 +325,7 @@ class LimitDetailApi(APIView):
     def get(self, request: Request, tenant_id: UUID, model: str) -> Response:
         access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
         access.require(selectors.LIMIT_READERS, "see limits")
-        return Response(LimitOutput(selectors.limit_get(tenant=access.tenant,
-                                                        family=model)).data)
+        return Response(LimitOutput(selectors.limit_get(tenant=access.tenant, family=model)).data)
 
     @extend_schema(responses={204: None})
     def delete(self, request: Request, tenant_id: UUID, model: str) -> Response:
@@ -321,8 +333,7 @@ class LimitDetailApi(APIView):
         access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
         access.require_staff("change limits")
         family = selectors.family_get(name=model)
-        if family is None or not services.tenant_limit_clear(tenant=access.tenant,
-                                                              family=family):
+        if family is None or not services.tenant_limit_clear(tenant=access.tenant, family=family):
             raise Http404
         return Response(status=status.HTTP_204_NO_CONTENT)
 
@@ -339,8 +350,11 @@ def _valid(serializer_class: type[serializers.Serializer], request: Request) -> 
 
 
 def _user_by_login(login: str, *, field: str) -> Any:
-    user = get_user_model().objects.filter(Q(username=login) | Q(email__iexact=login),
-                                           is_active=True).first()
+    user = (
+        get_user_model()
+        .objects.filter(Q(username=login) | Q(email__iexact=login), is_active=True)
+        .first()
+    )
     if user is None:
         raise serializers.ValidationError({field: [f"No active user '{login}'."]})
     return user

@@ -41,18 +41,30 @@ class DemoVersion:
 
 
 MODELS = (
-    DemoVersion("llama-70b", "Llama 3 70B", "llama-70b-2026-05", context_length=131072,
-                kv_bytes_per_token=320 * KIB, tpot_target_ms=50,
-                kv_capacity_tokens=int(Decimal("172.5") * GIB) // (320 * KIB),
-                price_prompt_per_mtok=Decimal("0.60"),
-                price_cached_prompt_per_mtok=Decimal("0.15"),
-                price_completion_per_mtok=Decimal("0.80")),
-    DemoVersion("llama-8b", "Llama 3 8B", "llama-8b-2026-05", context_length=131072,
-                kv_bytes_per_token=128 * KIB, tpot_target_ms=50,
-                kv_capacity_tokens=54 * GIB // (128 * KIB),
-                price_prompt_per_mtok=Decimal("0.06"),
-                price_cached_prompt_per_mtok=Decimal("0.015"),
-                price_completion_per_mtok=Decimal("0.08")),
+    DemoVersion(
+        "llama-70b",
+        "Llama 3 70B",
+        "llama-70b-2026-05",
+        context_length=131072,
+        kv_bytes_per_token=320 * KIB,
+        tpot_target_ms=50,
+        kv_capacity_tokens=int(Decimal("172.5") * GIB) // (320 * KIB),
+        price_prompt_per_mtok=Decimal("0.60"),
+        price_cached_prompt_per_mtok=Decimal("0.15"),
+        price_completion_per_mtok=Decimal("0.80"),
+    ),
+    DemoVersion(
+        "llama-8b",
+        "Llama 3 8B",
+        "llama-8b-2026-05",
+        context_length=131072,
+        kv_bytes_per_token=128 * KIB,
+        tpot_target_ms=50,
+        kv_capacity_tokens=54 * GIB // (128 * KIB),
+        price_prompt_per_mtok=Decimal("0.06"),
+        price_cached_prompt_per_mtok=Decimal("0.015"),
+        price_completion_per_mtok=Decimal("0.08"),
+    ),
 )
 
 
@@ -70,16 +82,37 @@ class DemoPlan:
 
 
 PLANS = (
-    DemoPlan("free", "Free", "best_effort", max_context=8192, max_output=2048,
-             rpm={"llama-70b": 20, "llama-8b": 60},
-             tpm={"llama-70b": 40_000, "llama-8b": 100_000}, concurrent_max_requests=1),
-    DemoPlan("standard", "Standard", "standard", max_context=32768, max_output=4096,
-             rpm={"llama-70b": 600, "llama-8b": 1200},
-             tpm={"llama-70b": 1_000_000, "llama-8b": 2_000_000}, concurrent_max_requests=4),
-    DemoPlan("enterprise", "Enterprise", "reserved", max_context=131072, max_output=8192,
-             rpm={"llama-70b": 3000, "llama-8b": 6000},
-             tpm={"llama-70b": 6_000_000, "llama-8b": 12_000_000},
-             concurrent_max_requests=8, reserved_max_requests=2),
+    DemoPlan(
+        "free",
+        "Free",
+        "best_effort",
+        max_context=8192,
+        max_output=2048,
+        rpm={"llama-70b": 20, "llama-8b": 60},
+        tpm={"llama-70b": 40_000, "llama-8b": 100_000},
+        concurrent_max_requests=1,
+    ),
+    DemoPlan(
+        "standard",
+        "Standard",
+        "standard",
+        max_context=32768,
+        max_output=4096,
+        rpm={"llama-70b": 600, "llama-8b": 1200},
+        tpm={"llama-70b": 1_000_000, "llama-8b": 2_000_000},
+        concurrent_max_requests=4,
+    ),
+    DemoPlan(
+        "enterprise",
+        "Enterprise",
+        "reserved",
+        max_context=131072,
+        max_output=8192,
+        rpm={"llama-70b": 3000, "llama-8b": 6000},
+        tpm={"llama-70b": 6_000_000, "llama-8b": 12_000_000},
+        concurrent_max_requests=8,
+        reserved_max_requests=2,
+    ),
 )
 
 
@@ -92,9 +125,12 @@ def kv_gib_seconds(*, prompt: int, output: int, kv_bytes_per_token: int, tpot_ms
 
 
 def plan_limits(plan: DemoPlan, model: DemoVersion) -> dict[str, int]:
-    largest = kv_gib_seconds(prompt=plan.max_context, output=plan.max_output,
-                             kv_bytes_per_token=model.kv_bytes_per_token,
-                             tpot_ms=4 * model.tpot_target_ms)
+    largest = kv_gib_seconds(
+        prompt=plan.max_context,
+        output=plan.max_output,
+        kv_bytes_per_token=model.kv_bytes_per_token,
+        tpot_ms=4 * model.tpot_target_ms,
+    )
     return {
         "rpm": plan.rpm[model.family],
         "tpm": plan.tpm[model.family],

@@ -39,44 +39,68 @@ class LimitFields(models.Model):
     max_context = models.IntegerField("max context tokens", validators=NON_NEGATIVE)
     max_output = models.IntegerField("max output tokens", validators=NON_NEGATIVE)
     kv_seconds_cap = models.BigIntegerField(
-        "KV·seconds cap (GiB·s)", validators=NON_NEGATIVE,
-        help_text="Cap on the summed KV·seconds estimate of in-flight requests.")
+        "KV·seconds cap (GiB·s)",
+        validators=NON_NEGATIVE,
+        help_text="Cap on the summed KV·seconds estimate of in-flight requests.",
+    )
     reserved_kv = models.BigIntegerField(
-        "reserved KV floor (GiB·s)", default=0, validators=NON_NEGATIVE,
-        help_text="Enterprise floor admitted regardless of fleet occupancy; 0 elsewhere.")
+        "reserved KV floor (GiB·s)",
+        default=0,
+        validators=NON_NEGATIVE,
+        help_text="Enterprise floor admitted regardless of fleet occupancy; 0 elsewhere.",
+    )
 
     class Meta:
         abstract = True
         constraints = [
             models.CheckConstraint(
-                condition=Q(rpm__gte=0) & Q(tpm__gte=0) & Q(max_context__gte=0)
-                & Q(max_output__gte=0) & Q(kv_seconds_cap__gte=0) & Q(reserved_kv__gte=0),
-                name="%(app_label)s_%(class)s_non_negative"),
-            models.CheckConstraint(condition=Q(max_output__lte=F("max_context")),
-                                   name="%(app_label)s_%(class)s_output_within_context"),
-            models.CheckConstraint(condition=Q(reserved_kv__lte=F("kv_seconds_cap")),
-                                   name="%(app_label)s_%(class)s_floor_within_cap"),
+                condition=Q(rpm__gte=0)
+                & Q(tpm__gte=0)
+                & Q(max_context__gte=0)
+                & Q(max_output__gte=0)
+                & Q(kv_seconds_cap__gte=0)
+                & Q(reserved_kv__gte=0),
+                name="%(app_label)s_%(class)s_non_negative",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_output__lte=F("max_context")),
+                name="%(app_label)s_%(class)s_output_within_context",
+            ),
+            models.CheckConstraint(
+                condition=Q(reserved_kv__lte=F("kv_seconds_cap")),
+                name="%(app_label)s_%(class)s_floor_within_cap",
+            ),
         ]
 
     def clean(self) -> None:
         errors: dict[str, str] = {}
-        if (self.max_output is not None and self.max_context is not None
-                and self.max_output > self.max_context):
+        if (
+            self.max_output is not None
+            and self.max_context is not None
+            and self.max_output > self.max_context
+        ):
             errors["max_output"] = "max_output cannot exceed max_context."
-        if (self.reserved_kv is not None and self.kv_seconds_cap is not None
-                and self.reserved_kv > self.kv_seconds_cap):
+        if (
+            self.reserved_kv is not None
+            and self.kv_seconds_cap is not None
+            and self.reserved_kv > self.kv_seconds_cap
+        ):
             errors["reserved_kv"] = "reserved_kv cannot exceed kv_seconds_cap."
         family = getattr(self, "family", None) if getattr(self, "family_id", None) else None
         if family is not None and self.max_context is not None:
             longest = family.versions.filter(is_active=True).aggregate(
-                m=models.Max("context_length"))["m"]
+                m=models.Max("context_length")
+            )["m"]
             if longest is not None and self.max_context > longest:
-                errors.setdefault("max_context", "max_context cannot exceed the model's "
-                                                 f"context length ({longest}).")
+                errors.setdefault(
+                    "max_context",
+                    f"max_context cannot exceed the model's context length ({longest}).",
+                )
         plan = self.limit_plan()
         if plan is not None and self.reserved_kv and not plan.is_reserved:
-            errors.setdefault("reserved_kv", "A reserved KV floor needs a plan with the "
-                                             "reserved admission class.")
+            errors.setdefault(
+                "reserved_kv", "A reserved KV floor needs a plan with the reserved admission class."
+            )
         if errors:
             raise ValidationError(errors)
 
@@ -91,15 +115,16 @@ class LimitFields(models.Model):
 class Plan(models.Model):
     name = models.SlugField(max_length=50, unique=True)
     display_name = models.CharField(max_length=100, blank=True)
-    admission_class = models.CharField(max_length=16,
-                                       choices=[(c, c) for c in ADMISSION_CLASSES])
+    admission_class = models.CharField(max_length=16, choices=[(c, c) for c in ADMISSION_CLASSES])
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["name"]
         constraints = [
-            models.CheckConstraint(condition=Q(admission_class__in=ADMISSION_CLASSES),
-                                   name="tenants_plan_admission_class_valid"),
+            models.CheckConstraint(
+                condition=Q(admission_class__in=ADMISSION_CLASSES),
+                name="tenants_plan_admission_class_valid",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -115,15 +140,17 @@ class PlanModelLimit(LimitFields):
     families it has a row for (plus any family a tenant has an override for)."""
 
     plan = models.ForeignKey(Plan, on_delete=models.CASCADE, related_name="model_limits")
-    family = models.ForeignKey("catalog.ModelFamily", on_delete=models.CASCADE,
-                               related_name="plan_limits")
+    family = models.ForeignKey(
+        "catalog.ModelFamily", on_delete=models.CASCADE, related_name="plan_limits"
+    )
 
     class Meta(LimitFields.Meta):
         ordering = ["plan__name", "family__name"]
         constraints = [
             *LimitFields.Meta.constraints,
-            models.UniqueConstraint(fields=["plan", "family"],
-                                    name="tenants_planmodellimit_one_per_family"),
+            models.UniqueConstraint(
+                fields=["plan", "family"], name="tenants_planmodellimit_one_per_family"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -147,9 +174,11 @@ class Tenant(models.Model):
     class Meta:
         ordering = ["name"]
         constraints = [
-            models.UniqueConstraint(fields=["stripe_customer_id"],
-                                    condition=~Q(stripe_customer_id=""),
-                                    name="tenants_tenant_stripe_customer_unique"),
+            models.UniqueConstraint(
+                fields=["stripe_customer_id"],
+                condition=~Q(stripe_customer_id=""),
+                name="tenants_tenant_stripe_customer_unique",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -161,8 +190,9 @@ class Tenant(models.Model):
 
 
 class Membership(models.Model):
-    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
-                             related_name="memberships")
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
+    )
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -170,12 +200,14 @@ class Membership(models.Model):
     class Meta:
         ordering = ["tenant__name", "user__username"]
         constraints = [
-            models.UniqueConstraint(fields=["user", "tenant"],
-                                    name="tenants_membership_one_per_user",
-                                    violation_error_message="The user is already a member "
-                                                            "of this tenant."),
-            models.CheckConstraint(condition=Q(role__in=Role.values),
-                                   name="tenants_membership_role_valid"),
+            models.UniqueConstraint(
+                fields=["user", "tenant"],
+                name="tenants_membership_one_per_user",
+                violation_error_message="The user is already a member of this tenant.",
+            ),
+            models.CheckConstraint(
+                condition=Q(role__in=Role.values), name="tenants_membership_role_valid"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -191,25 +223,29 @@ class ApiKey(models.Model):
     prefix = models.CharField(max_length=16, help_text="Visible start of the secret.")
     key_hash = models.CharField(max_length=64, unique=True, editable=False)
     scopes = models.JSONField(default=list)
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
-                                   on_delete=models.SET_NULL, related_name="+")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True, editable=False)
-    revoked_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
-                                   on_delete=models.SET_NULL, related_name="+")
+    revoked_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
 
     class Meta:
         ordering = ["-created_at"]
         indexes = [models.Index(fields=["tenant", "created_at"])]
         constraints = [
-            models.CheckConstraint(condition=Q(expires_at__isnull=True)
-                                   | Q(expires_at__gt=F("created_at")),
-                                   name="tenants_apikey_expires_after_creation"),
-            models.CheckConstraint(condition=Q(revoked_at__isnull=True)
-                                   | Q(revoked_at__gte=F("created_at")),
-                                   name="tenants_apikey_revoked_after_creation"),
+            models.CheckConstraint(
+                condition=Q(expires_at__isnull=True) | Q(expires_at__gt=F("created_at")),
+                name="tenants_apikey_expires_after_creation",
+            ),
+            models.CheckConstraint(
+                condition=Q(revoked_at__isnull=True) | Q(revoked_at__gte=F("created_at")),
+                name="tenants_apikey_revoked_after_creation",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -221,8 +257,9 @@ class ApiKey(models.Model):
             raise ValidationError({"scopes": "Give at least one scope."})
         unknown = sorted({str(s) for s in scopes} - set(SCOPES))
         if unknown:
-            raise ValidationError({"scopes": f"Unknown scope(s): {', '.join(unknown)}. "
-                                             f"Known: {', '.join(SCOPES)}."})
+            raise ValidationError(
+                {"scopes": f"Unknown scope(s): {', '.join(unknown)}. Known: {', '.join(SCOPES)}."}
+            )
         if len(set(scopes)) != len(scopes):
             raise ValidationError({"scopes": "Scopes must not repeat."})
 
@@ -235,18 +272,20 @@ class TenantModelLimit(LimitFields):
     """A tenant's override of its plan's defaults for one model family: a full row."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="model_limits")
-    family = models.ForeignKey("catalog.ModelFamily", on_delete=models.CASCADE,
-                               related_name="tenant_limits")
+    family = models.ForeignKey(
+        "catalog.ModelFamily", on_delete=models.CASCADE, related_name="tenant_limits"
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta(LimitFields.Meta):
         ordering = ["tenant__name", "family__name"]
         constraints = [
             *LimitFields.Meta.constraints,
-            models.UniqueConstraint(fields=["tenant", "family"],
-                                    name="tenants_tenantmodellimit_one_per_family",
-                                    violation_error_message="This tenant already has limits "
-                                                            "for this model."),
+            models.UniqueConstraint(
+                fields=["tenant", "family"],
+                name="tenants_tenantmodellimit_one_per_family",
+                violation_error_message="This tenant already has limits for this model.",
+            ),
         ]
 
     def __str__(self) -> str:

@@ -58,41 +58,63 @@ def _unix(at: datetime | None) -> int | None:
     return None if at is None else int(at.timestamp())
 
 
-def key_record(*, key_id: Any, tenant_id: Any, scopes: Iterable[str],
-               expires_at: datetime | None) -> schema.KeyRecord:
-    return schema.KeyRecord(key_id=str(key_id), tenant_id=str(tenant_id),
-                            scopes=tuple(sorted(scopes)), expires_at=_unix(expires_at))
+def key_record(
+    *, key_id: Any, tenant_id: Any, scopes: Iterable[str], expires_at: datetime | None
+) -> schema.KeyRecord:
+    return schema.KeyRecord(
+        key_id=str(key_id),
+        tenant_id=str(tenant_id),
+        scopes=tuple(sorted(scopes)),
+        expires_at=_unix(expires_at),
+    )
 
 
 def tenant_record(tenant: Tenant, limits: dict[str, Any]) -> schema.TenantRecord:
     return schema.TenantRecord(
-        tenant_id=str(tenant.id), name=tenant.name, plan=tenant.plan.name,
+        tenant_id=str(tenant.id),
+        name=tenant.name,
+        plan=tenant.plan.name,
         admission_class=tenant.plan.admission_class,
         suspended=tenant.is_suspended,
-        limits={family: schema.LimitRecord(rpm=lim.rpm, tpm=lim.tpm,
-                                           max_context=lim.max_context,
-                                           max_output=lim.max_output,
-                                           kv_seconds_cap=lim.kv_seconds_cap,
-                                           reserved_kv=lim.reserved_kv)
-                for family, lim in limits.items()},
+        limits={
+            family: schema.LimitRecord(
+                rpm=lim.rpm,
+                tpm=lim.tpm,
+                max_context=lim.max_context,
+                max_output=lim.max_output,
+                kv_seconds_cap=lim.kv_seconds_cap,
+                reserved_kv=lim.reserved_kv,
+            )
+            for family, lim in limits.items()
+        },
     )
 
 
 def catalog_record() -> schema.Catalog:
-    replicas = Prefetch("replicas", queryset=Replica.objects.filter(is_enabled=True)
-                        .order_by("name"))
-    versions = list(ModelVersion.objects.filter(is_active=True).select_related("family")
-                    .prefetch_related(replicas).order_by("name"))
-    families = {v.family.name: v.name for v in sorted(versions, key=lambda v: v.family.name)
-                if v.is_current}
+    replicas = Prefetch(
+        "replicas", queryset=Replica.objects.filter(is_enabled=True).order_by("name")
+    )
+    versions = list(
+        ModelVersion.objects.filter(is_active=True)
+        .select_related("family")
+        .prefetch_related(replicas)
+        .order_by("name")
+    )
+    families = {
+        v.family.name: v.name for v in sorted(versions, key=lambda v: v.family.name) if v.is_current
+    }
     records = {
         v.name: schema.ModelVersionRecord(
-            version=v.name, family=v.family.name, context_length=v.context_length,
-            kv_bytes_per_token=v.kv_bytes_per_token, tpot_target_ms=v.tpot_target_ms,
+            version=v.name,
+            family=v.family.name,
+            context_length=v.context_length,
+            kv_bytes_per_token=v.kv_bytes_per_token,
+            tpot_target_ms=v.tpot_target_ms,
             kv_capacity_tokens=v.kv_capacity_tokens,
-            replicas=tuple(schema.ReplicaRecord(replica_id=r.name, base_url=r.base_url,
-                                                pool=r.pool)
-                           for r in v.replicas.all()),
+            replicas=tuple(
+                schema.ReplicaRecord(replica_id=r.name, base_url=r.base_url, pool=r.pool)
+                for r in v.replicas.all()
+            ),
         )
         for v in versions
     }
@@ -104,12 +126,14 @@ def catalog_record() -> schema.Catalog:
 
 def _usable_keys() -> Any:
     now = timezone.now()
-    return (ApiKey.objects.filter(revoked_at__isnull=True, tenant__suspended_at__isnull=True)
-            .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now)))
+    return ApiKey.objects.filter(revoked_at__isnull=True, tenant__suspended_at__isnull=True).filter(
+        Q(expires_at__isnull=True) | Q(expires_at__gt=now)
+    )
 
 
-def desired_keys(*, key_hashes: Iterable[str] | None = None,
-                 tenant_id: Any = None) -> dict[str, Desired]:
+def desired_keys(
+    *, key_hashes: Iterable[str] | None = None, tenant_id: Any = None
+) -> dict[str, Desired]:
     """Desired key records; with filters, also the explicit absence of unusable keys."""
     wanted: dict[str, Desired] = {}
     scope = ApiKey.objects.all()
@@ -119,15 +143,27 @@ def desired_keys(*, key_hashes: Iterable[str] | None = None,
         wanted.update({schema.key_redis_key(h): Desired(None) for h in hashes})
     if tenant_id is not None:
         scope = scope.filter(tenant_id=tenant_id)
-        wanted.update({schema.key_redis_key(h): Desired(None)
-                       for h in scope.values_list("key_hash", flat=True)})
-    usable = _usable_keys().filter(pk__in=scope.values("pk")) if (
-        key_hashes is not None or tenant_id is not None) else _usable_keys()
+        wanted.update(
+            {
+                schema.key_redis_key(h): Desired(None)
+                for h in scope.values_list("key_hash", flat=True)
+            }
+        )
+    usable = (
+        _usable_keys().filter(pk__in=scope.values("pk"))
+        if (key_hashes is not None or tenant_id is not None)
+        else _usable_keys()
+    )
     for row in usable.values("id", "tenant_id", "key_hash", "scopes", "expires_at"):
-        record = key_record(key_id=row["id"], tenant_id=row["tenant_id"],
-                            scopes=row["scopes"], expires_at=row["expires_at"])
-        wanted[schema.key_redis_key(row["key_hash"])] = Desired(schema.dumps(record),
-                                                                record.expires_at)
+        record = key_record(
+            key_id=row["id"],
+            tenant_id=row["tenant_id"],
+            scopes=row["scopes"],
+            expires_at=row["expires_at"],
+        )
+        wanted[schema.key_redis_key(row["key_hash"])] = Desired(
+            schema.dumps(record), record.expires_at
+        )
     return wanted
 
 
@@ -179,8 +215,9 @@ class ReadModel:
     @classmethod
     def from_url(cls, url: str) -> ReadModel:
         timeout = float(getattr(settings, "REDIS_SOCKET_TIMEOUT", 5.0))
-        return cls(redis.Redis.from_url(url, socket_timeout=timeout,
-                                        socket_connect_timeout=timeout))
+        return cls(
+            redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        )
 
     # Targeted pushes re-read committed state for the named entities only.
     def push_keys(self, key_hashes: Iterable[str]) -> PushResult:
@@ -189,8 +226,9 @@ class ReadModel:
 
     def push_tenant(self, tenant_id: Any) -> PushResult:
         # A tenant's suspension decides whether its keys are usable, so both move together.
-        return self._push(lambda: {**desired_tenants(tenant_ids=[tenant_id]),
-                                   **desired_keys(tenant_id=tenant_id)})
+        return self._push(
+            lambda: {**desired_tenants(tenant_ids=[tenant_id]), **desired_keys(tenant_id=tenant_id)}
+        )
 
     def push_plan(self, plan_id: Any) -> PushResult:
         def build() -> dict[str, Desired]:
@@ -210,8 +248,11 @@ class ReadModel:
         """Every read-model record (not the version), for comparisons and debugging."""
         keys = [schema.CATALOG_KEY, *self._scan(KEY_PATTERN), *self._scan(TENANT_PATTERN)]
         values = self.redis.mget(keys)
-        return {k: v.encode() if isinstance(v, str) else v
-                for k, v in zip(keys, values, strict=True) if v is not None}
+        return {
+            k: v.encode() if isinstance(v, str) else v
+            for k, v in zip(keys, values, strict=True)
+            if v is not None
+        }
 
     def version(self) -> int:
         raw = self.redis.get(schema.VERSION_KEY)

@@ -29,8 +29,7 @@ def push_on_commit(action: Callable[[ReadModel], object], what: str) -> None:
         try:
             action(read_model())
         except Exception:
-            log.exception("read-model push of %s failed; the periodic rebuild will heal it",
-                          what)
+            log.exception("read-model push of %s failed; the periodic rebuild will heal it", what)
 
     transaction.on_commit(run)
 

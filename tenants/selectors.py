@@ -69,16 +69,16 @@ def tenant_access(*, user: Any, tenant_id: Any) -> TenantAccess:
         raise Http404
     if _is_staff(user):
         return TenantAccess(tenant=tenant, role=STAFF)
-    role = Membership.objects.filter(tenant=tenant, user=user).values_list("role",
-                                                                            flat=True).first()
+    role = (
+        Membership.objects.filter(tenant=tenant, user=user).values_list("role", flat=True).first()
+    )
     if role is None:
         raise Http404  # not a member: indistinguishable from a tenant that does not exist
     return TenantAccess(tenant=tenant, role=role)
 
 
 def api_key_list(*, tenant: Tenant) -> QuerySet[ApiKey]:
-    return ApiKey.objects.filter(tenant=tenant).select_related("created_by").order_by(
-        "-created_at")
+    return ApiKey.objects.filter(tenant=tenant).select_related("created_by").order_by("-created_at")
 
 
 def api_key_get(*, tenant: Tenant, key_id: Any) -> ApiKey:
@@ -89,8 +89,9 @@ def api_key_get(*, tenant: Tenant, key_id: Any) -> ApiKey:
 
 
 def membership_list(*, tenant: Tenant) -> QuerySet[Membership]:
-    return Membership.objects.filter(tenant=tenant).select_related("user").order_by(
-        "user__username")
+    return (
+        Membership.objects.filter(tenant=tenant).select_related("user").order_by("user__username")
+    )
 
 
 def membership_get(*, tenant: Tenant, membership_id: Any) -> Membership:

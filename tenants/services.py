@@ -57,7 +57,8 @@ def plan_create(*, name: str, admission_class: str, display_name: str = "") -> P
 def plan_limit_set(*, plan: Plan, family: ModelFamily, **values: int) -> PlanModelLimit:
     """Create or replace a plan's default limits for one family (all fields required)."""
     row = PlanModelLimit.objects.filter(plan=plan, family=family).first() or PlanModelLimit(
-        plan=plan, family=family)
+        plan=plan, family=family
+    )
     _assign_limits(row, values, required=row.pk is None)
     row.full_clean()
     row.save()
@@ -82,8 +83,7 @@ def _assign_limits(row: LimitFields, values: dict[str, Any], *, required: bool) 
 def tenant_limit_set(*, tenant: Tenant, family: ModelFamily, **values: int) -> TenantModelLimit:
     """Set a tenant's override for one family. Fields not given keep their current value:
     the existing override's, else the plan default's."""
-    row = TenantModelLimit.objects.select_for_update().filter(tenant=tenant,
-                                                              family=family).first()
+    row = TenantModelLimit.objects.select_for_update().filter(tenant=tenant, family=family).first()
     if row is None:
         row = TenantModelLimit(tenant=tenant, family=family)
         base = effective_limits(tenant).get(family.name)
@@ -114,8 +114,9 @@ def tenant_limit_clear(*, tenant: Tenant, family: ModelFamily) -> bool:
 
 
 @transaction.atomic
-def tenant_create(*, name: str, plan: Plan, owner: AbstractBaseUser | None = None,
-                  billing_email: str = "") -> Tenant:
+def tenant_create(
+    *, name: str, plan: Plan, owner: AbstractBaseUser | None = None, billing_email: str = ""
+) -> Tenant:
     tenant = Tenant(name=name, plan=plan, billing_email=billing_email)
     tenant.full_clean()
     tenant.save()
@@ -125,8 +126,9 @@ def tenant_create(*, name: str, plan: Plan, owner: AbstractBaseUser | None = Non
 
 
 @transaction.atomic
-def tenant_update(*, tenant: Tenant, name: str | None = None,
-                  billing_email: str | None = None) -> Tenant:
+def tenant_update(
+    *, tenant: Tenant, name: str | None = None, billing_email: str | None = None
+) -> Tenant:
     if name is not None:
         tenant.name = name
     if billing_email is not None:
@@ -166,15 +168,23 @@ def membership_add(*, tenant: Tenant, user: AbstractBaseUser, role: str) -> Memb
 def _lock_owners(tenant: Tenant) -> int:
     """Count owners under row locks (ordered by pk) so two concurrent demotions cannot
     both pass the last-owner check."""
-    return len(list(Membership.objects.select_for_update().filter(tenant=tenant,
-                                                                  role=Role.OWNER)
-                    .order_by("pk").values_list("pk", flat=True)))
+    return len(
+        list(
+            Membership.objects.select_for_update()
+            .filter(tenant=tenant, role=Role.OWNER)
+            .order_by("pk")
+            .values_list("pk", flat=True)
+        )
+    )
 
 
 @transaction.atomic
 def membership_change_role(*, membership: Membership, role: str) -> Membership:
-    if membership.role == Role.OWNER and role != Role.OWNER and \
-            _lock_owners(membership.tenant) <= 1:
+    if (
+        membership.role == Role.OWNER
+        and role != Role.OWNER
+        and _lock_owners(membership.tenant) <= 1
+    ):
         raise ValidationError({"role": "A tenant must keep at least one owner."})
     membership.role = role
     membership.full_clean()
@@ -197,18 +207,26 @@ def api_key_generate_secret() -> str:
 
 
 @transaction.atomic
-def api_key_create(*, tenant: Tenant, name: str, scopes: Iterable[str] = SCOPES,
-                   created_by: AbstractBaseUser | None = None,
-                   expires_at: datetime | None = None) -> tuple[ApiKey, str]:
+def api_key_create(
+    *,
+    tenant: Tenant,
+    name: str,
+    scopes: Iterable[str] = SCOPES,
+    created_by: AbstractBaseUser | None = None,
+    expires_at: datetime | None = None,
+) -> tuple[ApiKey, str]:
     """Returns the key and its secret. The secret is not stored and cannot be shown again."""
     if expires_at is not None and expires_at <= timezone.now():
         raise ValidationError({"expires_at": "The expiry must be in the future."})
     secret = api_key_generate_secret()
     scope_list = [scopes] if isinstance(scopes, str) else list(scopes)
     api_key = ApiKey(
-        tenant=tenant, name=name, scopes=scope_list,
+        tenant=tenant,
+        name=name,
+        scopes=scope_list,
         prefix=secret[: len(API_KEY_PREFIX) + VISIBLE_PREFIX_CHARS],
-        key_hash=hash_api_key(secret, key_pepper()), created_by=created_by,
+        key_hash=hash_api_key(secret, key_pepper()),
+        created_by=created_by,
         expires_at=expires_at,
     )
     api_key.full_clean()
@@ -237,6 +255,7 @@ def api_key_last_used_record(*, seen: dict[str, datetime]) -> int:
             uuid.UUID(key_id)
         except ValueError:
             continue  # not one of ours; the hash is written by gateways, not users
-        updated += ApiKey.objects.filter(pk=key_id).exclude(last_used_at__gte=at).update(
-            last_used_at=at)
+        updated += (
+            ApiKey.objects.filter(pk=key_id).exclude(last_used_at__gte=at).update(last_used_at=at)
+        )
     return updated

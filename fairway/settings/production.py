@@ -33,15 +33,18 @@ def _problems() -> list[str]:
     }
     for name, (value, dev_default) in secrets.items():
         if not env_is_set(name) or value == dev_default:
-            problems.append(f"{name} must be set to a secret value (the development default "
-                            "is refused)")
+            problems.append(
+                f"{name} must be set to a secret value (the development default is refused)"
+            )
         elif len(value) < MIN_SECRET_LENGTH:
             problems.append(f"{name} must be at least {MIN_SECRET_LENGTH} characters")
     if not ALLOWED_HOSTS:  # noqa: F405
-        problems.append("ALLOWED_HOSTS must list the host names this service answers to "
-                        "(comma-separated)")
-    problems.extend(f"{name} must be set" for name in ("DATABASE_URL", "REDIS_URL")
-                    if not env_is_set(name))
+        problems.append(
+            "ALLOWED_HOSTS must list the host names this service answers to (comma-separated)"
+        )
+    problems.extend(
+        f"{name} must be set" for name in ("DATABASE_URL", "REDIS_URL") if not env_is_set(name)
+    )
     if env_is_set("DATABASE_URL") and DATABASES["default"]["ENGINE"].endswith("sqlite3"):  # noqa: F405
         problems.append("DATABASE_URL must point at PostgreSQL (SQLite is for `make up` only)")
     return problems

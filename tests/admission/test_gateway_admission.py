@@ -438,6 +438,7 @@ def test_retry_budget_sheds_non_reserved_retries_with_30_to_60_s(
                 assert "x-ratelimit-limit-requests" in r.headers
         assert codes[:6].count("retry_budget_exhausted") == 0
         assert codes[6:] == ["retry_budget_exhausted"] * 2
+
         # The openai SDK's own retries (x-stainless-retry-count: N > 0) are retries too,
         # without an Idempotency-Key; its first attempts (N = 0) and junk values are not.
         def sdk(count: str) -> str:

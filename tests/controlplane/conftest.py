@@ -45,15 +45,18 @@ def family_70b(db: None) -> ModelFamily:
     demo = MODELS[0]
     family = catalog_services.family_upsert(name=demo.family, display_name=demo.display_name)
     version = catalog_services.version_upsert(
-        family=family, name=demo.version, context_length=demo.context_length,
-        kv_bytes_per_token=demo.kv_bytes_per_token, tpot_target_ms=demo.tpot_target_ms,
+        family=family,
+        name=demo.version,
+        context_length=demo.context_length,
+        kv_bytes_per_token=demo.kv_bytes_per_token,
+        tpot_target_ms=demo.tpot_target_ms,
         kv_capacity_tokens=demo.kv_capacity_tokens,
         price_prompt_per_mtok=demo.price_prompt_per_mtok,
         price_cached_prompt_per_mtok=demo.price_cached_prompt_per_mtok,
-        price_completion_per_mtok=demo.price_completion_per_mtok)
+        price_completion_per_mtok=demo.price_completion_per_mtok,
+    )
     catalog_services.version_make_current(version=version)
-    catalog_services.replica_upsert(version=version, name="r70-a",
-                                    base_url="http://127.0.0.1:9101")
+    catalog_services.replica_upsert(version=version, name="r70-a", base_url="http://127.0.0.1:9101")
     return family
 
 
@@ -75,22 +78,25 @@ def plans(family_70b: ModelFamily) -> dict[str, Plan]:
 @pytest.fixture
 def make_user(db: None) -> Callable[..., Any]:
     def make(username: str, **extra: Any) -> Any:
-        return get_user_model().objects.create_user(username=username, password="pw-12345",
-                                                    email=f"{username}@example.com", **extra)
+        return get_user_model().objects.create_user(
+            username=username, password="pw-12345", email=f"{username}@example.com", **extra
+        )
 
     return make
 
 
 @pytest.fixture
 def tenant_a(plans: dict[str, Plan], make_user: Callable[..., Any]) -> Tenant:
-    return services.tenant_create(name="tenant-a", plan=plans["standard"],
-                                  owner=make_user("owner-a"))
+    return services.tenant_create(
+        name="tenant-a", plan=plans["standard"], owner=make_user("owner-a")
+    )
 
 
 @pytest.fixture
 def tenant_b(plans: dict[str, Plan], make_user: Callable[..., Any]) -> Tenant:
-    return services.tenant_create(name="tenant-b", plan=plans["enterprise"],
-                                  owner=make_user("owner-b"))
+    return services.tenant_create(
+        name="tenant-b", plan=plans["enterprise"], owner=make_user("owner-b")
+    )
 
 
 @pytest.fixture

@@ -10,8 +10,9 @@ import redis
 from gateway import schema
 
 
-def wait_for_change(pubsub: redis.client.PubSub, *, kind: str, ident: str,
-                    timeout: float = 5.0) -> schema.Change:
+def wait_for_change(
+    pubsub: redis.client.PubSub, *, kind: str, ident: str, timeout: float = 5.0
+) -> schema.Change:
     """The first Change matching kind/ident; other publishers' messages are skipped."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -23,8 +23,9 @@ def admin_client_(make_user: Any) -> Client:
     return client
 
 
-def test_admin_hides_hash_and_revokes(rm: Any, admin_client_: Client, tenant_a: Tenant,
-                                      django_capture_on_commit_callbacks: Any) -> None:
+def test_admin_hides_hash_and_revokes(
+    rm: Any, admin_client_: Client, tenant_a: Tenant, django_capture_on_commit_callbacks: Any
+) -> None:
     with django_capture_on_commit_callbacks(execute=True):
         key, secret = services.api_key_create(tenant=tenant_a, name="ops")
     for url in ("/admin/tenants/apikey/", f"/admin/tenants/apikey/{key.pk}/change/"):
@@ -34,31 +35,50 @@ def test_admin_hides_hash_and_revokes(rm: Any, admin_client_: Client, tenant_a: 
         assert key.prefix.encode() in page.content
 
     with django_capture_on_commit_callbacks(execute=True):
-        response = admin_client_.post("/admin/tenants/apikey/", {
-            "action": "revoke", "_selected_action": [str(key.pk)]}, follow=True)
+        response = admin_client_.post(
+            "/admin/tenants/apikey/",
+            {"action": "revoke", "_selected_action": [str(key.pk)]},
+            follow=True,
+        )
     assert response.status_code == 200
     key.refresh_from_db()
     assert key.revoked_at is not None
     assert not rm.redis.exists(schema.key_redis_key(key.key_hash))
 
 
-def test_admin_key_creation_shows_secret_once(rm: Any, admin_client_: Client,
-                                              tenant_a: Tenant) -> None:
-    response = admin_client_.post("/admin/tenants/apikey/add/", {
-        "tenant": str(tenant_a.pk), "name": "from-admin", "scopes": '["chat"]',
-        "expires_at_0": "", "expires_at_1": ""}, follow=True)
+def test_admin_key_creation_shows_secret_once(
+    rm: Any, admin_client_: Client, tenant_a: Tenant
+) -> None:
+    response = admin_client_.post(
+        "/admin/tenants/apikey/add/",
+        {
+            "tenant": str(tenant_a.pk),
+            "name": "from-admin",
+            "scopes": '["chat"]',
+            "expires_at_0": "",
+            "expires_at_1": "",
+        },
+        follow=True,
+    )
     assert response.status_code == 200
     created = ApiKey.objects.get(name="from-admin")
     shown = [str(m) for m in get_messages(response.wsgi_request)]
     secret = next(m.rsplit(" ", 1)[1] for m in shown if "cannot be shown again" in m)
     assert created.key_hash == schema.hash_api_key(secret, services.key_pepper())
     assert created.scopes == ["chat"]
-    assert secret.encode() not in admin_client_.get(
-        f"/admin/tenants/apikey/{created.pk}/change/").content
+    assert (
+        secret.encode()
+        not in admin_client_.get(f"/admin/tenants/apikey/{created.pk}/change/").content
+    )
 
 
 def test_admin_pages_render(admin_client_: Client, tenant_a: Tenant) -> None:
-    for url in ("/admin/tenants/tenant/", f"/admin/tenants/tenant/{tenant_a.pk}/change/",
-                "/admin/tenants/plan/", "/admin/catalog/modelversion/",
-                "/admin/catalog/modelfamily/", "/admin/catalog/replica/"):
+    for url in (
+        "/admin/tenants/tenant/",
+        f"/admin/tenants/tenant/{tenant_a.pk}/change/",
+        "/admin/tenants/plan/",
+        "/admin/catalog/modelversion/",
+        "/admin/catalog/modelfamily/",
+        "/admin/catalog/replica/",
+    ):
         assert admin_client_.get(url).status_code == 200, url

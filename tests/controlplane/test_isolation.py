@@ -15,7 +15,8 @@ pytestmark = pytest.mark.django_db
 
 
 def test_user_of_tenant_a_gets_404_for_tenant_b(
-        tenant_a: Tenant, tenant_b: Tenant, owner_a: Any, client_for: Any) -> None:
+    tenant_a: Tenant, tenant_b: Tenant, owner_a: Any, client_for: Any
+) -> None:
     key_b, _ = services.api_key_create(tenant=tenant_b, name="b-key")
     member_b = tenant_b.memberships.get()
     key_a, _ = services.api_key_create(tenant=tenant_a, name="a-key")
@@ -64,7 +65,8 @@ def test_anonymous_callers_are_refused(tenant_a: Tenant) -> None:
     assert (error["type"], error["code"]) == ("authentication_error", "not_authenticated")
 
 
-def test_staff_operators_see_every_tenant(tenant_a: Tenant, tenant_b: Tenant, staff: Any,
-                                          client_for: Any) -> None:
+def test_staff_operators_see_every_tenant(
+    tenant_a: Tenant, tenant_b: Tenant, staff: Any, client_for: Any
+) -> None:
     listed = client_for(staff).get("/api/v1/tenants/").json()
     assert {t["id"] for t in listed} == {str(tenant_a.id), str(tenant_b.id)}

@@ -20,8 +20,12 @@ pytestmark = pytest.mark.django_db
 
 
 def test_create_returns_secret_once_and_stores_only_its_hash(
-        rm: Any, tenant_a: Tenant, owner_a: Any, client_for: Any,
-        django_capture_on_commit_callbacks: Any) -> None:
+    rm: Any,
+    tenant_a: Tenant,
+    owner_a: Any,
+    client_for: Any,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
     client = client_for(owner_a)
     url = f"/api/v1/tenants/{tenant_a.id}/keys/"
     with django_capture_on_commit_callbacks(execute=True):
@@ -43,13 +47,18 @@ def test_create_returns_secret_once_and_stores_only_its_hash(
         assert listed["status"] == "active"
 
     record = schema.load_key(rm.redis.get(schema.key_redis_key(key.key_hash)))
-    assert record == schema.KeyRecord(key_id=str(key.pk), tenant_id=str(tenant_a.id),
-                                      scopes=("chat",), expires_at=None)
+    assert record == schema.KeyRecord(
+        key_id=str(key.pk), tenant_id=str(tenant_a.id), scopes=("chat",), expires_at=None
+    )
 
 
 def test_revocation_reaches_read_model_and_changes_channel(
-        rm: Any, tenant_a: Tenant, owner_a: Any, client_for: Any,
-        django_capture_on_commit_callbacks: Any) -> None:
+    rm: Any,
+    tenant_a: Tenant,
+    owner_a: Any,
+    client_for: Any,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
     with django_capture_on_commit_callbacks(execute=True):
         key, _ = services.api_key_create(tenant=tenant_a, name="doomed")
     redis_key = schema.key_redis_key(key.key_hash)
@@ -59,7 +68,8 @@ def test_revocation_reaches_read_model_and_changes_channel(
     try:
         with django_capture_on_commit_callbacks(execute=True):
             response = client_for(owner_a).post(
-                f"/api/v1/tenants/{tenant_a.id}/keys/{key.pk}/revoke/")
+                f"/api/v1/tenants/{tenant_a.id}/keys/{key.pk}/revoke/"
+            )
         assert response.status_code == 200 and response.json()["status"] == "revoked"
         change = wait_for_change(pubsub, kind="key", ident=key.key_hash)
     finally:
@@ -75,7 +85,8 @@ def test_revoke_is_idempotent(rm: Any, tenant_a: Tenant) -> None:
 
 
 def test_expiring_key_carries_redis_expiry_and_is_dropped_once_expired(
-        rm: Any, tenant_a: Tenant, django_capture_on_commit_callbacks: Any) -> None:
+    rm: Any, tenant_a: Tenant, django_capture_on_commit_callbacks: Any
+) -> None:
     expires = timezone.now() + timedelta(hours=1)
     with django_capture_on_commit_callbacks(execute=True):
         key, _ = services.api_key_create(tenant=tenant_a, name="temp", expires_at=expires)
@@ -83,14 +94,17 @@ def test_expiring_key_carries_redis_expiry_and_is_dropped_once_expired(
     assert 3500 < rm.redis.ttl(redis_key) <= 3600
     assert schema.load_key(rm.redis.get(redis_key)).expires_at == int(expires.timestamp())
 
-    ApiKey.objects.filter(pk=key.pk).update(expires_at=timezone.now() - timedelta(seconds=1),
-                                            created_at=timezone.now() - timedelta(days=1))
+    ApiKey.objects.filter(pk=key.pk).update(
+        expires_at=timezone.now() - timedelta(seconds=1),
+        created_at=timezone.now() - timedelta(days=1),
+    )
     rm.rebuild()
     assert not rm.redis.exists(redis_key)
 
 
 def test_suspending_a_tenant_removes_its_keys_until_resumed(
-        rm: Any, tenant_a: Tenant, django_capture_on_commit_callbacks: Any) -> None:
+    rm: Any, tenant_a: Tenant, django_capture_on_commit_callbacks: Any
+) -> None:
     with django_capture_on_commit_callbacks(execute=True):
         key, _ = services.api_key_create(tenant=tenant_a, name="k")
     redis_key = schema.key_redis_key(key.key_hash)

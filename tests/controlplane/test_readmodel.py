@@ -27,7 +27,8 @@ def _push_config() -> str:
 
 @pytest.mark.django_db
 def test_push_config_rebuilds_an_identical_read_model(
-        rm: Any, tenant_a: Tenant, tenant_b: Tenant) -> None:
+    rm: Any, tenant_a: Tenant, tenant_b: Tenant
+) -> None:
     services.api_key_create(tenant=tenant_a, name="a1")
     services.api_key_create(tenant=tenant_b, name="b1", scopes=["models:read"])
     revoked, _ = services.api_key_create(tenant=tenant_b, name="b2")
@@ -60,27 +61,33 @@ def test_push_config_rebuilds_an_identical_read_model(
 
 @pytest.mark.django_db
 def test_tenant_record_embeds_plan_defaults_merged_with_overrides(
-        rm: Any, tenant_a: Tenant, family_70b: ModelFamily, plans: dict[str, Plan]) -> None:
+    rm: Any, tenant_a: Tenant, family_70b: ModelFamily, plans: dict[str, Plan]
+) -> None:
     family_8b = catalog_services.family_upsert(name="llama-8b")
-    services.plan_limit_set(plan=plans["standard"], family=family_8b,
-                            **plan_limits(PLANS[1], MODELS[1]))
+    services.plan_limit_set(
+        plan=plans["standard"], family=family_8b, **plan_limits(PLANS[1], MODELS[1])
+    )
     services.tenant_limit_set(tenant=tenant_a, family=family_70b, rpm=7, max_output=100)
     rm.rebuild()
 
     record = schema.load_tenant(rm.redis.get(schema.tenant_redis_key(str(tenant_a.id))))
     assert (record.name, record.plan, record.admission_class) == (
-        "tenant-a", "standard", "standard")
+        "tenant-a",
+        "standard",
+        "standard",
+    )
     assert set(record.limits) == {"llama-70b", "llama-8b"}
     default_70b = plan_limits(PLANS[1], MODELS[0])
     assert record.limits["llama-70b"] == schema.LimitRecord(
-        **{**default_70b, "rpm": 7, "max_output": 100})
+        **{**default_70b, "rpm": 7, "max_output": 100}
+    )
     assert record.limits["llama-8b"] == schema.LimitRecord(**plan_limits(PLANS[1], MODELS[1]))
 
 
 @pytest.mark.django_db
 def test_reserved_floor_only_on_a_reserved_plan(
-        rm: Any, tenant_b: Tenant, plans: dict[str, Plan],
-        django_capture_on_commit_callbacks: Any) -> None:
+    rm: Any, tenant_b: Tenant, plans: dict[str, Plan], django_capture_on_commit_callbacks: Any
+) -> None:
     tenant_key = schema.tenant_redis_key(str(tenant_b.id))
     with django_capture_on_commit_callbacks(execute=True):
         services.tenant_change_plan(tenant=tenant_b, plan=plans["enterprise"])
@@ -94,22 +101,29 @@ def test_reserved_floor_only_on_a_reserved_plan(
 
 @pytest.mark.django_db
 def test_catalog_resolves_alias_to_current_version_and_keeps_pins(
-        rm: Any, version_70b: ModelVersion, django_capture_on_commit_callbacks: Any) -> None:
+    rm: Any, version_70b: ModelVersion, django_capture_on_commit_callbacks: Any
+) -> None:
     demo = MODELS[0]
     with django_capture_on_commit_callbacks(execute=True):
         newer = catalog_services.version_upsert(
-            family=version_70b.family, name="llama-70b-2026-09",
-            context_length=demo.context_length, kv_bytes_per_token=demo.kv_bytes_per_token,
-            tpot_target_ms=demo.tpot_target_ms, kv_capacity_tokens=demo.kv_capacity_tokens,
-            price_prompt_per_mtok="0.5", price_cached_prompt_per_mtok="0.1",
-            price_completion_per_mtok="0.7")
-        catalog_services.replica_upsert(version=newer, name="r70-new",
-                                        base_url="http://127.0.0.1:9201", pool="reserved")
+            family=version_70b.family,
+            name="llama-70b-2026-09",
+            context_length=demo.context_length,
+            kv_bytes_per_token=demo.kv_bytes_per_token,
+            tpot_target_ms=demo.tpot_target_ms,
+            kv_capacity_tokens=demo.kv_capacity_tokens,
+            price_prompt_per_mtok="0.5",
+            price_cached_prompt_per_mtok="0.1",
+            price_completion_per_mtok="0.7",
+        )
+        catalog_services.replica_upsert(
+            version=newer, name="r70-new", base_url="http://127.0.0.1:9201", pool="reserved"
+        )
     catalog = schema.load_catalog(rm.redis.get(schema.CATALOG_KEY))
     assert catalog.resolve("llama-70b").version == version_70b.name
     assert catalog.resolve(version_70b.name).replicas == (
-        schema.ReplicaRecord(replica_id="r70-a", base_url="http://127.0.0.1:9101",
-                             pool="shared"),)
+        schema.ReplicaRecord(replica_id="r70-a", base_url="http://127.0.0.1:9101", pool="shared"),
+    )
 
     with django_capture_on_commit_callbacks(execute=True):
         catalog_services.version_make_current(version=newer)
@@ -134,8 +148,9 @@ def test_side_effects_only_after_commit(rm: Any, plans: dict[str, Plan]) -> None
         raise Boom
     assert not rm.redis.exists(schema.key_redis_key(rolled_back.key_hash))
     assert rm.version() == version
-    assert schema.load_tenant(rm.redis.get(schema.tenant_redis_key(str(tenant.id)))) \
-        .suspended is False
+    assert (
+        schema.load_tenant(rm.redis.get(schema.tenant_redis_key(str(tenant.id)))).suspended is False
+    )
 
     with transaction.atomic():
         committed, _ = services.api_key_create(tenant=tenant, name="kept")

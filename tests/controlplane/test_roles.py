@@ -31,11 +31,21 @@ def _status(client: Any, method: str, url: str, body: Any = None) -> int:
         (Role.BILLING, 403, 403, 403, 403),
     ],
 )
-def test_role_matrix(tenant_a: Tenant, member_of: Any, client_for: Any, role: str,
-                     read_keys: int, write_keys: int, read_limits: int,
-                     manage_members: int) -> None:
-    user = tenant_a.memberships.get(role=Role.OWNER).user if role == Role.OWNER else \
-        member_of(tenant_a, role)
+def test_role_matrix(
+    tenant_a: Tenant,
+    member_of: Any,
+    client_for: Any,
+    role: str,
+    read_keys: int,
+    write_keys: int,
+    read_limits: int,
+    manage_members: int,
+) -> None:
+    user = (
+        tenant_a.memberships.get(role=Role.OWNER).user
+        if role == Role.OWNER
+        else member_of(tenant_a, role)
+    )
     client = client_for(user)
     base = f"/api/v1/tenants/{tenant_a.id}"
     key, _ = services.api_key_create(tenant=tenant_a, name="existing")
@@ -62,7 +72,8 @@ def test_role_matrix(tenant_a: Tenant, member_of: Any, client_for: Any, role: st
 
 
 def test_only_staff_write_limits_plans_and_suspension(
-        tenant_a: Tenant, owner_a: Any, staff: Any, client_for: Any) -> None:
+    tenant_a: Tenant, owner_a: Any, staff: Any, client_for: Any
+) -> None:
     base = f"/api/v1/tenants/{tenant_a.id}"
     assert _status(client_for(owner_a), "patch", f"{base}/", {"plan": "enterprise"}) == 403
     assert _status(client_for(owner_a), "patch", f"{base}/", {"suspended": True}) == 403
@@ -78,8 +89,9 @@ def test_only_staff_write_limits_plans_and_suspension(
     assert _status(operator, "delete", f"{base}/limits/llama-70b/") == 404
 
 
-def test_owner_role_rules(tenant_a: Tenant, owner_a: Any, member_of: Any, make_user: Any,
-                          client_for: Any) -> None:
+def test_owner_role_rules(
+    tenant_a: Tenant, owner_a: Any, member_of: Any, make_user: Any, client_for: Any
+) -> None:
     admin = member_of(tenant_a, Role.ADMIN)
     make_user("newcomer")
     base = f"/api/v1/tenants/{tenant_a.id}/members/"
@@ -88,22 +100,21 @@ def test_owner_role_rules(tenant_a: Tenant, owner_a: Any, member_of: Any, make_u
     as_admin = client_for(admin)
     assert _status(as_admin, "post", base, {"user": "newcomer", "role": "owner"}) == 403
     assert _status(as_admin, "delete", f"{base}{owner_membership.pk}/") == 403
-    response = as_admin.post(base, {"user": "newcomer@example.com", "role": "member"},
-                             format="json")
+    response = as_admin.post(
+        base, {"user": "newcomer@example.com", "role": "member"}, format="json"
+    )
     assert response.status_code == 201 and response.json()["username"] == "newcomer"
     newcomer = response.json()["id"]
     assert _status(as_admin, "patch", f"{base}{newcomer}/", {"role": "owner"}) == 403
     assert _status(as_admin, "patch", f"{base}{newcomer}/", {"role": "billing"}) == 200
 
     as_owner = client_for(owner_a)
-    response = as_owner.patch(f"{base}{owner_membership.pk}/", {"role": "admin"},
-                              format="json")
+    response = as_owner.patch(f"{base}{owner_membership.pk}/", {"role": "admin"}, format="json")
     assert response.status_code == 400
     assert error_of(response)["param"] == "role"  # the last owner stays
     assert _status(as_owner, "delete", f"{base}{owner_membership.pk}/") == 400
     assert _status(as_owner, "patch", f"{base}{newcomer}/", {"role": "owner"}) == 200
-    assert _status(as_owner, "patch", f"{base}{owner_membership.pk}/", {"role": "admin"}) \
-        == 200
+    assert _status(as_owner, "patch", f"{base}{owner_membership.pk}/", {"role": "admin"}) == 200
 
     response = as_owner.post(base, {"user": "newcomer", "role": "member"}, format="json")
     assert response.status_code == 400  # already a member: a clear error, not a 500

@@ -19,14 +19,20 @@ from tenants.services import key_pepper
 
 pytestmark = pytest.mark.django_db
 
-REPLICAS = ["--replicas", "llama-70b-2026-05=http://127.0.0.1:9101,http://127.0.0.1:9102",
-            "--reserved-replicas", "llama-70b-2026-05=http://127.0.0.1:9103",
-            "--replicas", "llama-8b-2026-05=http://127.0.0.1:9111"]
+REPLICAS = [
+    "--replicas",
+    "llama-70b-2026-05=http://127.0.0.1:9101,http://127.0.0.1:9102",
+    "--reserved-replicas",
+    "llama-70b-2026-05=http://127.0.0.1:9103",
+    "--replicas",
+    "llama-8b-2026-05=http://127.0.0.1:9111",
+]
 
 
 def _seed(keys_out: Path, *replicas: str) -> dict[str, Any]:
-    call_command("seed_demo", *(replicas or REPLICAS), "--keys-out", str(keys_out),
-                 stdout=io.StringIO())
+    call_command(
+        "seed_demo", *(replicas or REPLICAS), "--keys-out", str(keys_out), stdout=io.StringIO()
+    )
     return dict(json.loads(keys_out.read_text()))
 
 
@@ -35,7 +41,10 @@ def test_seed_demo_is_idempotent_and_feeds_the_read_model(rm: Any, tmp_path: Pat
     first = _seed(keys_out)
     assert keys_out.stat().st_mode & 0o777 == 0o600
     assert {k: v["plan"] for k, v in first.items() if "key" in v} == {
-        "demo-free": "free", "demo-standard": "standard", "demo-enterprise": "enterprise"}
+        "demo-free": "free",
+        "demo-standard": "standard",
+        "demo-enterprise": "enterprise",
+    }
     second = _seed(keys_out)
     assert second == first
     assert ApiKey.objects.count() == 3 and Tenant.objects.count() == 3
@@ -50,13 +59,13 @@ def test_seed_demo_is_idempotent_and_feeds_the_read_model(rm: Any, tmp_path: Pat
         assert record.tenant_id == info["tenant_id"]
         tenant = schema.load_tenant(snapshot[schema.tenant_redis_key(info["tenant_id"])])
         assert tenant.plan == info["plan"] and set(tenant.limits) == {"llama-70b", "llama-8b"}
-    enterprise = schema.load_tenant(snapshot[schema.tenant_redis_key(
-        first["demo-enterprise"]["tenant_id"])])
+    enterprise = schema.load_tenant(
+        snapshot[schema.tenant_redis_key(first["demo-enterprise"]["tenant_id"])]
+    )
     assert enterprise.admission_class == "reserved"
     assert enterprise.limits["llama-70b"].max_context == 131072
     assert enterprise.limits["llama-70b"].reserved_kv > 0
-    free = schema.load_tenant(snapshot[schema.tenant_redis_key(
-        first["demo-free"]["tenant_id"])])
+    free = schema.load_tenant(snapshot[schema.tenant_redis_key(first["demo-free"]["tenant_id"])])
     assert free.limits["llama-70b"].max_context == 8192
     catalog = schema.load_catalog(snapshot[schema.CATALOG_KEY])
     assert catalog.resolve("llama-70b").kv_bytes_per_token == 327680
@@ -67,8 +76,9 @@ def test_seed_demo_is_idempotent_and_feeds_the_read_model(rm: Any, tmp_path: Pat
     third = _seed(keys_out, "--replicas", "llama-8b-2026-05=http://127.0.0.1:9112")
     assert third["demo-free"]["key"] != first["demo-free"]["key"]
     assert ApiKey.objects.count() == 6
-    assert list(Replica.objects.filter(version__name="llama-8b-2026-05")
-                .values_list("base_url", flat=True)) == ["http://127.0.0.1:9112"]
+    assert list(
+        Replica.objects.filter(version__name="llama-8b-2026-05").values_list("base_url", flat=True)
+    ) == ["http://127.0.0.1:9112"]
 
 
 def test_token_and_session_auth_work_for_the_demo_owner(rm: Any, tmp_path: Path) -> None:
@@ -79,9 +89,11 @@ def test_token_and_session_auth_work_for_the_demo_owner(rm: Any, tmp_path: Path)
     assert [t["id"] for t in listed] == [info["tenant_id"]]
     assert by_token.get("/api/v1/models/").json()[0]["current_version"] == "llama-70b-2026-05"
 
-    obtained = APIClient().post("/api/v1/auth/token/", {"username": info["owner"],
-                                                        "password": info["owner_password"]},
-                                format="json")
+    obtained = APIClient().post(
+        "/api/v1/auth/token/",
+        {"username": info["owner"], "password": info["owner_password"]},
+        format="json",
+    )
     assert obtained.status_code == 200 and obtained.json()["token"] == info["owner_token"]
 
     session = APIClient(enforce_csrf_checks=True)
@@ -97,5 +109,12 @@ def test_openapi_schema_is_served_and_valid(tmp_path: Path) -> None:
     paths = json.loads(response.content)["paths"]
     assert "/api/v1/tenants/{tenant_id}/keys/" in paths and "/api/v1/models/" in paths
     # Every view documented, no component name clashes: warnings fail the command.
-    call_command("spectacular", "--validate", "--fail-on-warn", "--file",
-                 str(tmp_path / "schema.yaml"), stdout=io.StringIO(), stderr=io.StringIO())
+    call_command(
+        "spectacular",
+        "--validate",
+        "--fail-on-warn",
+        "--file",
+        str(tmp_path / "schema.yaml"),
+        stdout=io.StringIO(),
+        stderr=io.StringIO(),
+    )

@@ -8,24 +8,42 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STARTUP = ("import django; django.setup(); from django.conf import settings; "
-           "print('started', settings.DEBUG, settings.ALLOWED_HOSTS)")
-CONTROLLED = ("DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "FAIRWAY_KEY_PEPPER",
-              "FAIRWAY_CACHE_SALT_KEY", "DATABASE_URL", "REDIS_URL")
+STARTUP = (
+    "import django; django.setup(); from django.conf import settings; "
+    "print('started', settings.DEBUG, settings.ALLOWED_HOSTS)"
+)
+CONTROLLED = (
+    "DEBUG",
+    "SECRET_KEY",
+    "ALLOWED_HOSTS",
+    "FAIRWAY_KEY_PEPPER",
+    "FAIRWAY_CACHE_SALT_KEY",
+    "DATABASE_URL",
+    "REDIS_URL",
+)
 
 
 def _start(**env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if k not in CONTROLLED}
     base["DJANGO_SETTINGS_MODULE"] = "fairway.settings.production"
-    return subprocess.run([sys.executable, "-c", STARTUP], cwd=ROOT, env={**base, **env},
-                          capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", STARTUP],
+        cwd=ROOT,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def _good_env() -> dict[str, str]:
     # django.setup() opens no connection, so the database need not exist.
     return {
-        "SECRET_KEY": "s" * 50, "FAIRWAY_KEY_PEPPER": "p" * 40,
-        "FAIRWAY_CACHE_SALT_KEY": "c" * 40, "ALLOWED_HOSTS": "api.example.com",
+        "SECRET_KEY": "s" * 50,
+        "FAIRWAY_KEY_PEPPER": "p" * 40,
+        "FAIRWAY_CACHE_SALT_KEY": "c" * 40,
+        "ALLOWED_HOSTS": "api.example.com",
         "DATABASE_URL": "postgres://fairway@db.internal:5432/fairway",
         "REDIS_URL": "redis://127.0.0.1:6379/0",
     }
@@ -35,15 +53,21 @@ def test_production_refuses_unsafe_configuration() -> None:
     bare = _start()
     assert bare.returncode != 0
     assert "Refusing to start with fairway.settings.production" in bare.stderr
-    for needle in ("SECRET_KEY", "FAIRWAY_KEY_PEPPER", "FAIRWAY_CACHE_SALT_KEY",
-                   "ALLOWED_HOSTS", "DATABASE_URL"):
+    for needle in (
+        "SECRET_KEY",
+        "FAIRWAY_KEY_PEPPER",
+        "FAIRWAY_CACHE_SALT_KEY",
+        "ALLOWED_HOSTS",
+        "DATABASE_URL",
+    ):
         assert needle in bare.stderr, needle
 
     debug = _start(**_good_env(), DEBUG="1")
     assert debug.returncode != 0 and "DEBUG must be off" in debug.stderr
 
-    dev_secret = _start(**{**_good_env(), "FAIRWAY_KEY_PEPPER":
-                           "fairway-dev-key-pepper-not-secret"})
+    dev_secret = _start(
+        **{**_good_env(), "FAIRWAY_KEY_PEPPER": "fairway-dev-key-pepper-not-secret"}
+    )
     assert dev_secret.returncode != 0 and "FAIRWAY_KEY_PEPPER" in dev_secret.stderr
 
 

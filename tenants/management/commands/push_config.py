@@ -21,9 +21,13 @@ class Command(BaseCommand):
         result = model.rebuild()
         records = len(model.snapshot())
         if result.version is None:
-            self.stdout.write(f"read model already up to date: {records} record(s), "
-                              f"version {model.version()}")
+            self.stdout.write(
+                f"read model already up to date: {records} record(s), version {model.version()}"
+            )
         else:
-            self.stdout.write(self.style.SUCCESS(
-                f"read model rebuilt: {len(result.changed)} record(s) changed, {records} in "
-                f"total, version {result.version}"))
+            self.stdout.write(
+                self.style.SUCCESS(
+                    f"read model rebuilt: {len(result.changed)} record(s) changed, {records} in "
+                    f"total, version {result.version}"
+                )
+            )

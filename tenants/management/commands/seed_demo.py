@@ -51,30 +51,44 @@ class Command(BaseCommand):
     help = "Create (or refresh) the demo plans, models, tenants, owners and API keys."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--replicas", action="append", default=[],
-                            metavar="VERSION=URL[,URL...]",
-                            help="Shared-pool replica base URLs of a model version "
-                                 "(repeatable). With --reserved-replicas, a named version's "
-                                 "replicas become exactly the URLs given.")
-        parser.add_argument("--reserved-replicas", action="append", default=[],
-                            metavar="VERSION=URL[,URL...]",
-                            help="Replicas only reserved-class (enterprise) traffic may "
-                                 "enter (design R2).")
-        parser.add_argument("--keys-out", type=Path, default=DEFAULT_KEYS_OUT,
-                            help=f"JSON file for demo secrets (default {DEFAULT_KEYS_OUT}).")
-        parser.add_argument("--password", default=DEFAULT_PASSWORD,
-                            help="Password for newly created demo users.")
+        parser.add_argument(
+            "--replicas",
+            action="append",
+            default=[],
+            metavar="VERSION=URL[,URL...]",
+            help="Shared-pool replica base URLs of a model version "
+            "(repeatable). With --reserved-replicas, a named version's "
+            "replicas become exactly the URLs given.",
+        )
+        parser.add_argument(
+            "--reserved-replicas",
+            action="append",
+            default=[],
+            metavar="VERSION=URL[,URL...]",
+            help="Replicas only reserved-class (enterprise) traffic may enter (design R2).",
+        )
+        parser.add_argument(
+            "--keys-out",
+            type=Path,
+            default=DEFAULT_KEYS_OUT,
+            help=f"JSON file for demo secrets (default {DEFAULT_KEYS_OUT}).",
+        )
+        parser.add_argument(
+            "--password", default=DEFAULT_PASSWORD, help="Password for newly created demo users."
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         replicas = parse_replicas(options["replicas"])
-        for version, entries in parse_replicas(options["reserved_replicas"],
-                                               pool="reserved").items():
+        for version, entries in parse_replicas(
+            options["reserved_replicas"], pool="reserved"
+        ).items():
             replicas.setdefault(version, []).extend(entries)
         known = {m.version for m in MODELS}
         unknown = sorted(set(replicas) - known)
         if unknown:
-            raise CommandError(f"--replicas for unknown version(s) {unknown}; demo versions "
-                               f"are {sorted(known)}")
+            raise CommandError(
+                f"--replicas for unknown version(s) {unknown}; demo versions are {sorted(known)}"
+            )
         keys_out: Path = options["keys_out"]
         secrets_file = json.loads(keys_out.read_text()) if keys_out.exists() else {}
         with transaction.atomic():
@@ -82,9 +96,11 @@ class Command(BaseCommand):
             plans = self._plans()
             for plan in plans:
                 secrets_file[f"demo-{plan.name}"] = self._tenant(
-                    plan, secrets_file.get(f"demo-{plan.name}", {}), options["password"])
-            secrets_file[OPERATOR] = self._operator(secrets_file.get(OPERATOR, {}),
-                                                    options["password"])
+                    plan, secrets_file.get(f"demo-{plan.name}", {}), options["password"]
+                )
+            secrets_file[OPERATOR] = self._operator(
+                secrets_file.get(OPERATOR, {}), options["password"]
+            )
         keys_out.parent.mkdir(parents=True, exist_ok=True)
         tmp = keys_out.with_suffix(".tmp")
         tmp.write_text(json.dumps(secrets_file, indent=2) + "\n")
@@ -93,24 +109,33 @@ class Command(BaseCommand):
         self.stdout.write(self.style.SUCCESS(f"demo data ready; secrets in {keys_out}"))
         for name, info in secrets_file.items():
             if "key" in info:
-                self.stdout.write(f"  {name} ({info['plan']}): owner {info['owner']} / "
-                                  f"{info['owner_password']}  key {info['key'][:11]}…")
-        self.stdout.write(f"  operator (Django admin, staff API): {OPERATOR} / "
-                          f"{secrets_file[OPERATOR]['password']}")
+                self.stdout.write(
+                    f"  {name} ({info['plan']}): owner {info['owner']} / "
+                    f"{info['owner_password']}  key {info['key'][:11]}…"
+                )
+        self.stdout.write(
+            f"  operator (Django admin, staff API): {OPERATOR} / "
+            f"{secrets_file[OPERATOR]['password']}"
+        )
 
     # -- pieces -------------------------------------------------------------------------
     def _models(self, replicas: dict[str, list[tuple[str, str]]]) -> None:
         for model in MODELS:
-            family = catalog_services.family_upsert(name=model.family,
-                                                    display_name=model.display_name)
+            family = catalog_services.family_upsert(
+                name=model.family, display_name=model.display_name
+            )
             version = catalog_services.version_upsert(
-                family=family, name=model.version, context_length=model.context_length,
+                family=family,
+                name=model.version,
+                context_length=model.context_length,
                 kv_bytes_per_token=model.kv_bytes_per_token,
                 tpot_target_ms=model.tpot_target_ms,
                 kv_capacity_tokens=model.kv_capacity_tokens,
                 price_prompt_per_mtok=model.price_prompt_per_mtok,
                 price_cached_prompt_per_mtok=model.price_cached_prompt_per_mtok,
-                price_completion_per_mtok=model.price_completion_per_mtok, is_active=True)
+                price_completion_per_mtok=model.price_completion_per_mtok,
+                is_active=True,
+            )
             if not version.is_current:
                 catalog_services.version_make_current(version=version)
             if model.version in replicas:
@@ -122,8 +147,7 @@ class Command(BaseCommand):
             name = f"{version.name}@{urlsplit(url).netloc}"
             for other in Replica.objects.filter(base_url=url).exclude(name=name):
                 other.delete()
-            catalog_services.replica_upsert(version=version, name=name, base_url=url,
-                                            pool=pool)
+            catalog_services.replica_upsert(version=version, name=name, base_url=url, pool=pool)
             names.append(name)
         for stale in Replica.objects.filter(version=version).exclude(name__in=names):
             stale.delete()  # one by one, so the catalog push sees each delete
@@ -132,8 +156,8 @@ class Command(BaseCommand):
         plans = []
         for demo in PLANS:
             plan = Plan.objects.filter(name=demo.name).first() or services.plan_create(
-                name=demo.name, admission_class=demo.admission_class,
-                display_name=demo.display_name)
+                name=demo.name, admission_class=demo.admission_class, display_name=demo.display_name
+            )
             for model in MODELS:
                 family = ModelFamily.objects.get(name=model.family)
                 services.plan_limit_set(plan=plan, family=family, **plan_limits(demo, model))
@@ -144,24 +168,29 @@ class Command(BaseCommand):
         user = get_user_model().objects.filter(username=username).first()
         if user is not None:
             return user, None
-        user = get_user_model().objects.create_user(username=username, password=password,
-                                                    email=f"{username}@example.com", **extra)
+        user = get_user_model().objects.create_user(
+            username=username, password=password, email=f"{username}@example.com", **extra
+        )
         return user, password
 
     def _tenant(self, plan: Plan, previous: dict[str, Any], password: str) -> dict[str, Any]:
         name = f"demo-{plan.name}"
         owner, new_password = self._user(f"{plan.name}-owner", password)
         tenant = Tenant.objects.filter(name=name).first() or services.tenant_create(
-            name=name, plan=plan, billing_email=f"billing@{plan.name}.example.com")
+            name=name, plan=plan, billing_email=f"billing@{plan.name}.example.com"
+        )
         if not Membership.objects.filter(tenant=tenant, user=owner).exists():
             services.membership_add(tenant=tenant, user=owner, role=Role.OWNER)
         secret = previous.get("key")
         if not (secret and self._usable(secret, tenant)):
-            _, secret = services.api_key_create(tenant=tenant, name="demo key", scopes=SCOPES,
-                                                created_by=owner)
+            _, secret = services.api_key_create(
+                tenant=tenant, name="demo key", scopes=SCOPES, created_by=owner
+            )
         token, _ = Token.objects.get_or_create(user=owner)
         return {
-            "key": secret, "tenant_id": str(tenant.id), "plan": plan.name,
+            "key": secret,
+            "tenant_id": str(tenant.id),
+            "plan": plan.name,
             "owner": owner.username,
             "owner_password": new_password or previous.get("owner_password", "(unchanged)"),
             "owner_token": token.key,
@@ -170,9 +199,11 @@ class Command(BaseCommand):
     def _operator(self, previous: dict[str, Any], password: str) -> dict[str, Any]:
         user, new_password = self._user(OPERATOR, password, is_staff=True, is_superuser=True)
         token, _ = Token.objects.get_or_create(user=user)
-        return {"username": user.username,
-                "password": new_password or previous.get("password", "(unchanged)"),
-                "token": token.key}
+        return {
+            "username": user.username,
+            "password": new_password or previous.get("password", "(unchanged)"),
+            "token": token.key,
+        }
 
     @staticmethod
     def _usable(secret: str, tenant: Tenant) -> bool:
