@@ -44,7 +44,10 @@ class UpstreamTimeouts:
 class PoolLimits:
     max_connections: int = 2000
     max_keepalive: int = 500
-    keepalive_expiry_s: float = 30.0
+    # Below the replicas' own idle timeout (vLLM's uvicorn closes idle connections after
+    # 5 s): a pooled connection the server is closing at the moment of reuse fails the
+    # request, so the gateway must give connections up first.
+    keepalive_expiry_s: float = 4.0
 
 
 @dataclass(frozen=True, slots=True)

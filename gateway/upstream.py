@@ -177,16 +177,21 @@ class UpstreamClient:
         """
         if self._session is None:
             raise ReplicaBroken("the upstream client is not started")
+        url = replica.base_url.rstrip("/") + "/v1/chat/completions"
+        headers = {
+            "content-type": "application/json",
+            "x-request-id": request_id,
+            "accept": "text/event-stream",
+        }
         try:
-            response = await self._session.post(
-                replica.base_url.rstrip("/") + "/v1/chat/completions",
-                data=body,
-                headers={
-                    "content-type": "application/json",
-                    "x-request-id": request_id,
-                    "accept": "text/event-stream",
-                },
-            )
+            try:
+                response = await self._session.post(url, data=body, headers=headers)
+            except aiohttp.ServerDisconnectedError:
+                # Almost always a pooled keep-alive connection the replica closed as we
+                # reused it, so the engine never saw the request: retry once on a fresh
+                # connection. (A replica that read it and dropped the connection without
+                # answering has died; the retry then fails to connect.)
+                response = await self._session.post(url, data=body, headers=headers)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise _translate(exc) from exc
         if response.status == 200:
