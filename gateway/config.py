@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from gateway.policy import AdmissionConfig
 
@@ -147,27 +148,27 @@ def _admission(env: Mapping[str, str]) -> AdmissionConfig:
         raise ConfigError(str(exc)) from exc
 
 
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
+Number = TypeVar("Number", int, float)
+
+
+def _positive(
+    env: Mapping[str, str], name: str, default: Number, parse: Callable[[str], Number]
+) -> Number:
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
-        value = float(raw)
+        value = parse(raw)
     except ValueError as exc:
-        raise ConfigError(f"{name}={raw!r} is not a number") from exc
+        raise ConfigError(f"{name}={raw!r} is not a valid {parse.__name__}") from exc
     if value <= 0:
         raise ConfigError(f"{name} must be positive")
     return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    return _positive(env, name, default, float)
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from exc
-    if value <= 0:
-        raise ConfigError(f"{name} must be positive")
-    return value
+    return _positive(env, name, default, int)
