@@ -7,46 +7,18 @@ Real everything: gateway processes (``python -m gateway``), emulated replicas
 
 from __future__ import annotations
 
-import contextlib
-import os
 import secrets
 import signal
-import socket
 import subprocess
-import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import httpx
 import redis
 
 from gateway import schema
 from gateway.config import DEV_KEY_PEPPER
-
-ROOT = Path(__file__).resolve().parents[2]
-T = TypeVar("T")
-
-
-def wait_until(
-    predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = ""
-) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support import launch_gateway
 
 
 @dataclass
@@ -144,58 +116,13 @@ def spawn_gateway(
     tmp: Path, redis_url: str, env: dict[str, str] | None = None, ready_timeout: float = 40.0
 ) -> GatewayProc:
     """One single-process gateway (``--workers 1``: a kill -9 kills all of it)."""
-    port = free_port()
-    log_path = tmp / f"gateway-{port}.log"
-    full_env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("PROMETHEUS_MULTIPROC_DIR", "KAFKA_BOOTSTRAP")
-    }
-    full_env.update(
-        {
-            "REDIS_URL": redis_url,
-            "GATEWAY_SPOOL_DIR": str(tmp / f"spool-{port}"),
-            "FAIRWAY_ENV": "development",
-            "PYTHONPATH": str(ROOT),
-            "GATEWAY_DRAIN_DEADLINE_S": "5",
-            **(env or {}),
-        }
+    launched = launch_gateway(
+        tmp,
+        redis_url,
+        env={"GATEWAY_DRAIN_DEADLINE_S": "5", **(env or {})},
+        ready_timeout=ready_timeout,
     )
-    with open(log_path, "ab") as logfile:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gateway",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--workers",
-                "1",
-                "--log-level",
-                "info",
-            ],
-            cwd=ROOT,
-            env=full_env,
-            stdout=logfile,
-            stderr=subprocess.STDOUT,
-        )
-    gw = GatewayProc(process, port, log_path)
-
-    def ready() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"gateway exited with {process.returncode}:\n{gw.log()}")
-        with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(gw.url + "/readyz", timeout=1).status_code == 200
-        return False
-
-    try:
-        wait_until(ready, ready_timeout, interval=0.1, what="gateway /readyz")
-    except BaseException:
-        gw.kill9()
-        raise
-    return gw
+    return GatewayProc(launched.process, launched.port, launched.log_path)
 
 
 def chat_body(model: str, prompt_words: int, max_tokens: int, **extra: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.limits import connect
 from gateway.scriptchannel import LuaScript, ScriptChannel, pack
-from tests.admission.procs import free_port, wait_until
+from tests.support import free_port, wait_until
 
 ECHO = LuaScript.of("redis.call('INCR', KEYS[1]); return {ARGV[1], tonumber(ARGV[2]) * 2}")
 FAILS = LuaScript.of("return redis.error_reply('ERR deliberately refused')")

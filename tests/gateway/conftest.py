@@ -9,12 +9,9 @@ apart by tenant id.
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,31 +26,14 @@ import redis
 from emulator.testing import SpawnedEmulator, spawn_emulator
 from gateway import schema
 from gateway.config import DEV_KEY_PEPPER
+from tests.support import launch_gateway, wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
 FAMILY = "llama-8b"
 VERSION = "llama-8b-2026-05"
 PROFILE = "llama-8b-tp1-h100"
 # Replicas run the model clock this much faster than wall time, so generations are short.
 SPEED = 20.0
 USAGE_TOPIC = "usage.v1"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(predicate: Any, timeout: float, interval: float = 0.02, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(interval)
 
 
 # -- read model seeding ---------------------------------------------------------------------
@@ -238,61 +218,24 @@ def start_gateway(
     spool_dir: Path | None = None,
     ready_timeout: float = 30.0,
 ) -> GatewayProcess:
-    port = free_port()
-    spool = spool_dir or tmp / f"spool-{port}"
-    log_path = tmp / f"gateway-{port}.log"
-    env = dict(os.environ)
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    env.update(
-        {
-            "REDIS_URL": redis_url,
-            "GATEWAY_SPOOL_DIR": str(spool),
-            "FAIRWAY_ENV": "development",
-            "PYTHONPATH": str(ROOT),
-            "GATEWAY_DRAIN_DEADLINE_S": "20",
-            "GATEWAY_LAST_USED_FLUSH_S": "0.2",
-        }
-    )
-    env.pop("KAFKA_BOOTSTRAP", None)
+    env = {"GATEWAY_DRAIN_DEADLINE_S": "20", "GATEWAY_LAST_USED_FLUSH_S": "0.2"}
     if kafka:
         env["KAFKA_BOOTSTRAP"] = kafka
     env.update(extra_env or {})
-    logfile = open(log_path, "ab")  # noqa: SIM115 - owned by the child process
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gateway",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            str(workers),
-            "--log-level",
-            "info",
-        ],
-        cwd=ROOT,
+    launched = launch_gateway(
+        tmp,
+        redis_url,
+        workers=workers,
         env=env,
-        stdout=logfile,
-        stderr=subprocess.STDOUT,
+        spool_dir=spool_dir,
+        ready_timeout=ready_timeout,
     )
-    logfile.close()
-    gw = GatewayProcess(process=process, port=port, spool_dir=spool, log_path=log_path)
-
-    def ready() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"gateway exited with {process.returncode}:\n{gw.log()}")
-        with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(gw.base_url + "/readyz", timeout=1).status_code == 200
-        return False
-
-    try:
-        wait_until(ready, ready_timeout, interval=0.1, what="gateway /readyz")
-    except BaseException:
-        gw.terminate(5)
-        raise
-    return gw
+    return GatewayProcess(
+        process=launched.process,
+        port=launched.port,
+        spool_dir=launched.spool_dir,
+        log_path=launched.log_path,
+    )
 
 
 @pytest.fixture

@@ -28,8 +28,8 @@ from tests.gateway.conftest import (
     replica_healthy,
     replica_metric,
     set_faults,
-    wait_until,
 )
+from tests.support import wait_until
 
 pytestmark = pytest.mark.kafka
 

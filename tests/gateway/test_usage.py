@@ -20,10 +20,9 @@ from tests.gateway.conftest import (
     ReadModelSeeder,
     Tenant,
     UsageLog,
-    free_port,
-    wait_until,
 )
 from tests.gateway.tcpproxy import TcpProxy
+from tests.support import free_port, wait_until
 
 pytestmark = pytest.mark.kafka
 
