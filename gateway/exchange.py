@@ -10,6 +10,14 @@ R4: a client that disconnects cancels this task within one event-loop turn; clos
 upstream response closes its connection, which makes the replica abort and free the KV.
 Tokens generated so far are billed (``cancelled``).
 
+First tokens go first: a replica's step delivers one token to every running stream at the
+same moment, and vLLM's scheduler (like the emulator) lists the requests it just
+prefilled last, so their first tokens arrive at the back of that burst. Relayed in arrival
+order, every first token waited for the whole burst's relay. While some stream awaits its
+first token, a mid-stream read therefore gives way for one event-loop turn before it is
+relayed: first tokens (and new requests' admission) in the same turn go out ahead of it,
+and an inter-token gap grows by at most one turn.
+
 §5 decision 5: whatever the ending — complete, error, cancel, timeout — ``_terminal`` runs
 exactly once, emits exactly one usage event (a synchronous hand-off that cancellation cannot
 interrupt) and settles admission in a shielded task.
@@ -108,6 +116,7 @@ class Exchange:
         self.stored = False
         self.dispatched_at = 0.0
         self.added_observed = False
+        self._awaiting_first_token = False
         self._terminated = False
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -116,6 +125,10 @@ class Exchange:
         assert task is not None
         watcher = asyncio.create_task(self._watch(receive, task))
         self.gw.metrics.inflight.inc()
+        if self.req.stream:
+            self._awaiting_first_token = True
+            self.gw.awaiting_first_token += 1
+            self.gw.metrics.awaiting_first_token.inc()
         try:
             await self._exchange(send)
         except asyncio.CancelledError:
@@ -130,7 +143,19 @@ class Exchange:
         finally:
             watcher.cancel()
             self.gw.metrics.inflight.dec()
+            self._first_token_relayed()
             await self._terminal()
+
+    def _first_token_relayed(self) -> None:
+        if self._awaiting_first_token:
+            self._awaiting_first_token = False
+            self.gw.awaiting_first_token -= 1
+            self.gw.metrics.awaiting_first_token.dec()
+
+    async def _give_way(self) -> None:
+        """One event-loop turn for the streams awaiting their first token, if any."""
+        if not self._awaiting_first_token and self.gw.awaiting_first_token > 0:
+            await asyncio.sleep(0)
 
     async def _watch(self, receive: Receive, task: asyncio.Task[None]) -> None:
         while True:
@@ -237,6 +262,7 @@ class Exchange:
                 if await self._forward(batch, send):
                     break
                 batch = await self._next(response, events)
+                await self._give_way()
         except ReplicaStalled:
             self.finish = "timeout"
             self.gw.metrics.upstream_errors.labels(replica_id, "stall").inc()
@@ -306,6 +332,7 @@ class Exchange:
             # Awaiting the send is the backpressure: a slow reader slows the upstream read.
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if not self.added_observed and tracker.first_token_at is not None:
+                self._first_token_relayed()
                 self._observe_added(tracker.first_token_at)
                 # Prefill done: the router's in-flight charge may lapse at the next scrape.
                 self.gw.router.on_first_token(self.ticket.replica, self.ticket.request_id)
@@ -326,6 +353,7 @@ class Exchange:
         events = SSEEvents()
         try:
             while (batch := await self._next(response, events)) is not None:
+                await self._give_way()
                 now = done_at = time.monotonic()
                 for data in batch:
                     kind = tracker.observe(data, now)

@@ -86,6 +86,12 @@ class GatewayMetrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+        self.awaiting_first_token = Gauge(
+            "fairway_gateway_streams_awaiting_first_token",
+            "Streaming requests relayed whose first token has not reached the client yet.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.spool_depth = Gauge(
             "fairway_gateway_usage_spool_depth",
             "Usage events written locally, not yet acknowledged by Kafka.",

@@ -82,6 +82,9 @@ class Gateway:
         )
         self.draining = False
         self.started = False
+        # Streams whose first token has not reached the client yet (exchange.Exchange):
+        # while any exist, mid-stream relays give way to them for one event-loop turn.
+        self.awaiting_first_token = 0
         self._background: set[asyncio.Task[Any]] = set()
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:

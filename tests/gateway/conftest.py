@@ -173,7 +173,12 @@ def replica_healthy(gw: GatewayProcess, replica_id: str) -> bool:
 
 
 def replica_metric(emu: SpawnedEmulator, name: str) -> float:
-    text = httpx.get(emu.base_url + "/metrics", timeout=5).text
+    return metric_sum(emu.base_url, name)
+
+
+def metric_sum(base_url: str, name: str) -> float:
+    """The sum of one metric's samples on ``base_url``'s ``/metrics`` (labels ignored)."""
+    text = httpx.get(base_url + "/metrics", timeout=5).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):

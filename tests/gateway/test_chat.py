@@ -25,6 +25,7 @@ from tests.gateway.conftest import (
     ReadModelSeeder,
     Tenant,
     UsageLog,
+    metric_sum,
     replica_healthy,
     replica_metric,
     set_faults,
@@ -248,6 +249,49 @@ def test_health_ready_and_metrics(gateway: GatewayProcess) -> None:
         "fairway_gateway_replica_healthy",
     ):
         assert name in text, name
+
+
+def test_streams_awaiting_first_token_are_counted_until_it_is_relayed(
+    gateway: GatewayProcess, seeder: ReadModelSeeder, replica: SpawnedEmulator
+) -> None:
+    """The count that makes mid-stream relays give way to first tokens (gateway/exchange.py)
+    covers exactly the streams before their first token, whatever their ending."""
+    tenant = seeder.tenant()
+    headers = {"authorization": f"Bearer {tenant.secret}"}
+    url = gateway.base_url + "/v1/chat/completions"
+    body = {"model": FAMILY, "messages": HI, "max_tokens": 5, "stream": True}
+
+    def awaiting() -> float:
+        return metric_sum(gateway.base_url, "fairway_gateway_streams_awaiting_first_token")
+
+    def stream() -> list[str]:
+        with httpx.stream("POST", url, headers=headers, json=body, timeout=30) as response:
+            assert response.status_code == 200
+            return list(sse_lines(response))
+
+    wait_until(lambda: awaiting() == 0, 10, what="no stream awaiting its first token")
+    try:
+        set_faults(replica, extra_latency_ms=3000)  # the replica takes 3 s to start
+        result: list[list[str]] = []
+        patient = threading.Thread(target=lambda: result.append(stream()))
+        patient.start()
+        wait_until(lambda: awaiting() == 1, 5, interval=0.02, what="the stream counted")
+        # A client that gives up before its first token is counted, then uncounted.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, headers=headers, json=body, timeout=httpx.Timeout(5, read=0.3))
+        # (well before the first stream's first token, which would also make it 1)
+        wait_until(lambda: awaiting() == 1, 1, interval=0.02, what="the leaver uncounted")
+        patient.join(30)
+        assert result and result[0][-1] == "[DONE]"
+        assert any(orjson.loads(d)["choices"][0]["delta"].get("content") for d in result[0][:-1])
+        wait_until(lambda: awaiting() == 0, 5, interval=0.02, what="the stream uncounted")
+        # A stream the replica refuses before its first token (503) is uncounted too.
+        set_faults(replica, extra_latency_ms=0, refuse_503=True)
+        refused = httpx.post(url, headers=headers, json=body, timeout=30)
+        assert refused.status_code == 503
+        assert awaiting() == 0
+    finally:
+        set_faults(replica, extra_latency_ms=0, refuse_503=False)
 
 
 # -- the configuration store under a burst of cold keys -------------------------------------
