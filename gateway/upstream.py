@@ -1,4 +1,4 @@
-"""Calls to replicas: one pooled HTTP client, explicit per-phase timeouts.
+"""Calls to replicas: pooled keep-alive HTTP/1.1 (``gateway.h1``), explicit timeouts.
 
 The body sent upstream is rebuilt from validated fields only, and always streams with
 ``include_usage`` so tokens are counted exactly whatever the client asked for. The gateway
@@ -6,54 +6,53 @@ sets ``cache_salt`` (R3: a keyed hash of the tenant, so tenants never share pref
 entries and cannot probe each other's prompts through cache timing) and ``priority`` (the
 admission class, so the replica's scheduler agrees with the gateway).
 
-The client is aiohttp's, not httpx's. Measured with bench/gateway_overhead.py on this
-machine: httpcore's pool re-scans every pooled connection (with a ``poll`` syscall each) on
-every request, so at 150 streaming req/s the gateway spent over half its CPU choosing a
-connection, ~15 ms per request; aiohttp's connector and C parser make that cost flat.
-Timeouts map as: ``connect`` → ``sock_connect``; ``pool`` + ``connect`` → ``connect`` (aiohttp's
-pool wait includes the connection's setup); ``read`` → ``sock_read``, the longest silence
-between two reads, which is both the first-token ceiling and the inter-token stall limit.
-The request body is one small write, so aiohttp's lack of a write timeout is covered by
-``sock_read`` (a replica that does not take the body does not answer either).
-
-Errors leave this module as the library-neutral exceptions below.
+``send`` writes the request at once on a pooled connection (or starts connecting) and
+returns a ``Dispatch``; ``Dispatch.response()`` waits for the status. Splitting the two
+lets the caller overlap the replica's round trip with its own (early dispatch,
+``gateway.admission``), and ``Dispatch.discard()`` withdraws a request nobody will relay.
+Timeouts: ``connect`` for the TCP (and TLS) handshake, ``pool`` for a free connection
+under ``max_connections``, ``read`` for the longest silence between two bytes of a
+response, which is both the first-token ceiling and the inter-token stall limit. The
+request is one small write, covered by ``read`` (a replica that does not take the body
+does not answer either). Errors leave this module as the exceptions of ``gateway.h1``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import orjson
 
 from gateway import schema
 from gateway.config import GatewayConfig
+from gateway.h1 import (
+    Connection,
+    Pool,
+    ReplicaBroken,
+    ReplicaStalled,
+    ReplicaUnreachable,
+    Target,
+    UpstreamFailure,
+)
 from gateway.validation import ChatRequest
 
+__all__ = [
+    "Dispatch",
+    "ReplicaBroken",
+    "ReplicaStalled",
+    "ReplicaUnreachable",
+    "UpstreamClient",
+    "UpstreamFailure",
+    "UpstreamResponse",
+    "UpstreamStatusError",
+]
+
 MAX_ERROR_BODY = 16 * 1024
-
-
-class UpstreamFailure(Exception):
-    """Base of everything that can go wrong talking to a replica."""
-
-
-class ReplicaUnreachable(UpstreamFailure):
-    """No connection could be made (refused, or connect/pool timeout)."""
-
-    def __init__(self, message: str, *, refused: bool) -> None:
-        super().__init__(message)
-        self.refused = refused
-
-
-class ReplicaStalled(UpstreamFailure):
-    """Nothing arrived for longer than the read timeout."""
-
-
-class ReplicaBroken(UpstreamFailure):
-    """The connection failed or the response was cut short."""
+CHAT_PATH = b"/v1/chat/completions"
 
 
 class UpstreamStatusError(UpstreamFailure):
@@ -65,32 +64,19 @@ class UpstreamStatusError(UpstreamFailure):
         self.message = message
 
 
-def _translate(exc: BaseException) -> UpstreamFailure:
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return ReplicaUnreachable(str(exc), refused=True)
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return ReplicaUnreachable(str(exc) or "connect timeout", refused=False)
-    if isinstance(exc, TimeoutError):
-        return ReplicaStalled(str(exc) or "read timeout")
-    return ReplicaBroken(repr(exc))
-
-
 class UpstreamResponse:
     """A streaming 200 from a replica."""
 
-    __slots__ = ("_response",)
+    __slots__ = ("_conn",)
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self._response = response
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
 
     async def read(self) -> bytes:
         """The bytes that arrived since the last read (b"" at the end of the body). The
         caller reads again only once it has relayed the previous bytes, so a slow client
-        slows the upstream read (aiohttp pauses the socket past its buffer)."""
-        try:
-            return await self._response.content.readany()
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise _translate(exc) from exc
+        slows the upstream read (the connection stops reading past its buffer)."""
+        return await self._conn.read()
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """``read`` as an async iterator."""
@@ -101,10 +87,87 @@ class UpstreamResponse:
         """Return the connection to the pool if the body was read to the end; otherwise
         drop it, which is how the replica learns the client went away (it aborts and frees
         the KV)."""
-        if self._response.content.at_eof():
-            self._response.release()
+        self._conn.finish()
+
+
+class Dispatch:
+    """A request sent to a replica, or on its way (connecting); see ``UpstreamClient.send``."""
+
+    __slots__ = ("_pool", "_target", "_head", "_body", "_conn", "_task", "_reused")
+
+    def __init__(self, pool: Pool, target: Target, head: bytes, body: bytes) -> None:
+        self._pool = pool
+        self._target = target
+        self._head = head
+        self._body = body
+        self._conn = pool.take_idle(target)
+        self._reused = self._conn is not None
+        self._task: asyncio.Task[Connection] | None = None
+        if self._conn is not None:
+            self._conn.send(head, body)
         else:
-            self._response.close()
+            self._task = asyncio.ensure_future(self._connect_and_send())
+
+    async def _connect_and_send(self) -> Connection:
+        conn = await self._pool.connect(self._target)
+        conn.send(self._head, self._body)
+        return conn
+
+    async def response(self) -> UpstreamResponse:
+        """The streaming response once its status is 200. Raises ``UpstreamStatusError`` for
+        any other status, or another ``UpstreamFailure``. The caller must ``close()`` it."""
+        try:
+            if self._task is not None:
+                self._conn = await self._task
+                self._task = None
+            conn = self._conn
+            assert conn is not None
+            try:
+                await conn.wait_headers()
+            except ReplicaBroken as exc:
+                if not (self._reused and exc.before_response):
+                    raise
+                # A pooled connection the replica closed as we reused it: the engine never
+                # saw the request, so it is sent again, once, on a new connection. (A
+                # replica that read it and died without answering fails the retry too.)
+                self._reused = False
+                conn = self._conn = await self._connect_and_send()
+                await conn.wait_headers()
+            if conn.status == 200:
+                self._conn = None  # the response owns the connection now
+                return UpstreamResponse(conn)
+            raw = await _error_body(conn)
+            raise UpstreamStatusError(conn.status, _error_message(raw))
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Withdraw the request: a connecting one is abandoned, a sent one is closed
+        mid-exchange; either way the replica never starts it or aborts it (frees its KV)."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task.add_done_callback(_abort_connected)
+            self._task = None
+        if self._conn is not None:
+            self._conn.finish()
+            self._conn = None
+
+
+def _abort_connected(task: asyncio.Task[Connection]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().abort()
+
+
+async def _error_body(conn: Connection) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    try:
+        while size < MAX_ERROR_BODY and (data := await conn.read()):
+            parts.append(data)
+            size += len(data)
+    except UpstreamFailure:
+        pass
+    return b"".join(parts)[:MAX_ERROR_BODY]
 
 
 class UpstreamClient:
@@ -112,29 +175,24 @@ class UpstreamClient:
         self._config = config
         self._salt_key = config.cache_salt_key
         self._salts: dict[str, str] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._targets: dict[str, tuple[Target, bytes]] = {}
+        self._pool: Pool | None = None
 
     async def start(self) -> None:
         t, pool = self._config.upstream, self._config.pool
-        connector = aiohttp.TCPConnector(
-            limit=pool.max_connections,
-            limit_per_host=0,
-            keepalive_timeout=pool.keepalive_expiry_s,
-            ttl_dns_cache=300,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            trust_env=False,
-            timeout=aiohttp.ClientTimeout(
-                total=None, connect=t.pool + t.connect, sock_connect=t.connect, sock_read=t.read
-            ),
+        self._pool = Pool(
+            max_connections=pool.max_connections,
+            max_keepalive=pool.max_keepalive,
+            keepalive_expiry_s=pool.keepalive_expiry_s,
+            connect_timeout_s=t.connect,
+            pool_timeout_s=t.pool,
+            read_timeout_s=t.read,
         )
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def cache_salt(self, tenant_id: str) -> str:
         """HMAC-SHA256(tenant) in hex: 64 chars, no ``/ @ \\`` (vLLM's cache_salt rules)."""
@@ -167,42 +225,43 @@ class UpstreamClient:
         body.update(req.sampling)
         return orjson.dumps(body)
 
+    def send(self, replica: schema.ReplicaRecord, body: bytes, request_id: str) -> Dispatch:
+        """Send the request now (on a pooled connection; or start connecting): the caller
+        awaits ``response()`` when it is ready to relay, or ``discard()``s it."""
+        if self._pool is None:
+            raise ReplicaBroken("the upstream client is not started")
+        target, head = self._request_head(replica.base_url)
+        # request_id is the gateway's own hex, or a client id checked against
+        # [A-Za-z0-9._:-] (gateway.http), so it cannot break the header block.
+        return Dispatch(
+            self._pool,
+            target,
+            head
+            + b"x-request-id: %s\r\ncontent-length: %d\r\n\r\n" % (request_id.encode(), len(body)),
+            body,
+        )
+
     async def open(
         self, replica: schema.ReplicaRecord, body: bytes, request_id: str
     ) -> UpstreamResponse:
-        """Send the request; return the streaming response once its status is 200.
+        """``send`` then ``response()``: the streaming 200, or an ``UpstreamFailure``."""
+        return await self.send(replica, body, request_id).response()
 
-        Raises ``UpstreamStatusError`` for any other status, or another ``UpstreamFailure``.
-        The caller must ``close()`` the response.
-        """
-        if self._session is None:
-            raise ReplicaBroken("the upstream client is not started")
-        url = replica.base_url.rstrip("/") + "/v1/chat/completions"
-        headers = {
-            "content-type": "application/json",
-            "x-request-id": request_id,
-            "accept": "text/event-stream",
-        }
-        try:
+    def _request_head(self, base_url: str) -> tuple[Target, bytes]:
+        cached = self._targets.get(base_url)
+        if cached is None:
             try:
-                response = await self._session.post(url, data=body, headers=headers)
-            except aiohttp.ServerDisconnectedError:
-                # Almost always a pooled keep-alive connection the replica closed as we
-                # reused it, so the engine never saw the request: retry once on a fresh
-                # connection. (A replica that read it and dropped the connection without
-                # answering has died; the retry then fails to connect.)
-                response = await self._session.post(url, data=body, headers=headers)
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise _translate(exc) from exc
-        if response.status == 200:
-            return UpstreamResponse(response)
-        try:
-            raw = await response.content.read(MAX_ERROR_BODY)
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            raw = b""
-        finally:
-            response.close()
-        raise UpstreamStatusError(response.status, _error_message(raw))
+                target = Target.parse(base_url)
+            except ValueError as exc:
+                raise ReplicaUnreachable(str(exc), refused=True) from None
+            head = (
+                b"POST " + target.path_prefix + CHAT_PATH + b" HTTP/1.1\r\n"
+                b"host: " + target.host_header + b"\r\n"
+                b"content-type: application/json\r\n"
+                b"accept: text/event-stream\r\n"
+            )
+            cached = self._targets[base_url] = (target, head)
+        return cached
 
 
 def _error_message(raw: bytes) -> str:
