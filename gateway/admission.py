@@ -17,6 +17,15 @@ router; 503, they cannot) — never mixed up (§3):
    small share of admissions (``best_effort_floor_share``) so the free tier never starves.
 4. The class goes to vLLM as ``priority`` so the replica's scheduler agrees with us.
 
+Early dispatch: the quota round trip is the largest wait the gateway adds before the
+upstream call, and for a tenant well inside its limits its answer is known in advance.
+``early_route`` picks the replica from this process's last answer for the tenant-model
+(``policy.early_dispatch_allowed``: every limit keeps a margin free, the answer is recent,
+few requests are awaiting theirs), so the caller can send the upstream request at once
+and ``admit`` then waits for the quota answer as before. The answer stays authoritative:
+a refusal (429/503) withdraws the early request, whose replica aborts it and frees its KV;
+an answer that changes the class (a reserved tenant crossing its floor) routes again.
+
 ``est_kv`` uses R1's ``tpot_est = clamp(fleet p95 TPOT over 30 s, target, 4 x target)``, or
 2 x target when the measurement is older than 60 s. Every admitted request holds a lease
 that this process renews every ``lease_renew_s`` in one pipelined call (R4); ``settle`` is
@@ -51,9 +60,12 @@ from gateway.policy import (
     VLLM_PRIORITY,
     AdmissionConfig,
     EffectiveClass,
+    Headroom,
+    Undecided,
     WindowCounts,
     best_effort_floor_allows,
     capacity_retry_after_ms,
+    early_dispatch_allowed,
     effective_class,
     est_out_for_kv,
     expected_duration_ms,
@@ -105,6 +117,19 @@ class Ticket:
     effective_class: str = ""  # the class it was routed under (reserved above floor: standard)
     grant: Grant | None = None
     est_kv_milli: int = 0
+    early: bool = False  # the early-dispatched upstream request stands (same replica, class)
+
+
+@dataclass(slots=True)
+class EarlyRoute:
+    """A replica chosen before the quota answer; ``admit`` keeps or releases it."""
+
+    replica: schema.ReplicaRecord
+    cls: EffectiveClass
+    priority: int
+    dispatch_bytes: int
+    quota: QuotaRequest
+    released: bool = False
 
 
 class AdmissionMetrics:
@@ -159,6 +184,13 @@ class AdmissionMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.early = Counter(
+            "fairway_admission_early_dispatch",
+            "Upstream requests sent before their quota answer, by what became of them: kept, "
+            "cancelled (refused, or no answer), rerouted (the answer changed the class).",
+            ["outcome"],
+            registry=r,
+        )
         self.redis_up_gauge.set(1)
 
     # gateway.limits.LimiterStats
@@ -201,6 +233,9 @@ class AdmissionController:
         self._held: dict[str, Ticket] = {}  # lease id -> ticket, for the renewer
         self._tpot: dict[str, tuple[float, float]] = {}  # version -> (computed at, estimate)
         self._floors: dict[str, WindowCounts] = {}  # version -> (admitted, best-effort floor)
+        # (tenant, family) -> the last quota answer's headroom / early requests awaiting one.
+        self._headroom: dict[tuple[str, str], Headroom] = {}
+        self._undecided: dict[tuple[str, str], Undecided] = {}
         self._renewer: asyncio.Task[None] | None = None
         del redis  # quota state uses the dedicated client above
 
@@ -272,9 +307,98 @@ class AdmissionController:
         )
 
     # -- admit ---------------------------------------------------------------------------
-    async def admit(self, req: AdmissionRequest) -> Ticket:
+    def early_route(self, req: AdmissionRequest) -> EarlyRoute | None:
+        """A replica for sending the upstream request before the quota answer, or None
+        (then ``admit`` routes after the answer, as it always may)."""
+        cfg = self._cfg
+        if req.is_retry:
+            return None
+        key = (req.tenant.tenant_id, req.version.family)
+        headroom = self._headroom.get(key)
+        if headroom is None:
+            return None
+        q = self.quota_request(req)
+        undecided = self._undecided.get(key) or Undecided()
+        if not early_dispatch_allowed(
+            headroom,
+            undecided,
+            rpm=q.rpm,
+            tpm=q.tpm,
+            kv_cap_milli=q.kv_cap_milli,
+            est_tokens=q.est_tokens,
+            est_kv_milli=q.est_kv_milli,
+            now=time.monotonic(),
+            cfg=cfg,
+        ):
+            return None
+        cls = effective_class(
+            req.tenant.admission_class,
+            headroom.inflight_kv_milli + undecided.kv_milli,
+            req.limit.reserved_kv * KV_MILLI,
+        )
+        dispatch_bytes = max(0, req.prompt_tokens_est) * req.version.kv_bytes_per_token
+        replica = self._router.choose(req.version, cls, dispatch_bytes)
+        if replica is None:
+            return None  # capacity is decided after the quota answer, as without this
+        self._router.on_dispatch(replica, req.request_id, dispatch_bytes)
+        undecided.requests += 1
+        undecided.tokens += q.est_tokens
+        undecided.kv_milli += q.est_kv_milli
+        self._undecided[key] = undecided
+        return EarlyRoute(replica, cls, VLLM_PRIORITY[cls], dispatch_bytes, q)
+
+    def _decided(self, key: tuple[str, str], early: EarlyRoute) -> None:
+        undecided = self._undecided.get(key)
+        if undecided is None:
+            return
+        undecided.requests -= 1
+        undecided.tokens -= early.quota.est_tokens
+        undecided.kv_milli -= early.quota.est_kv_milli
+        if undecided.requests <= 0:
+            del self._undecided[key]
+
+    def _remember(self, key: tuple[str, str], d: QuotaDecision, q: QuotaRequest) -> None:
+        """Keep an admitted answer's headroom for early dispatch; anything else (a refusal,
+        a decision taken without Redis) ends early dispatch for the tenant-model."""
+        if not d.admitted or d.degraded:
+            self._headroom.pop(key, None)
+            return
+        if len(self._headroom) > 50_000:
+            self._headroom.clear()  # idle tenants' entries are stale anyway
+        self._headroom[key] = Headroom(
+            at=time.monotonic(),
+            requests=d.state.remaining_requests,
+            tokens=d.state.remaining_tokens,
+            inflight_kv_milli=d.inflight_kv_milli + q.est_kv_milli,
+        )
+
+    def _release_early(self, early: EarlyRoute, request_id: str, outcome: str) -> None:
+        if not early.released:
+            early.released = True
+            self._router.on_finish(early.replica, request_id)
+            self.metrics.early.labels(outcome).inc()
+
+    async def admit(self, req: AdmissionRequest, early: EarlyRoute | None = None) -> Ticket:
+        """The quota answer and the route. With ``early``, the replica chosen before the
+        answer is kept when the answer admits in the same class; otherwise it is released
+        (the caller withdraws the early request unless ``Ticket.early``)."""
+        try:
+            return await self._admit(req, early)
+        except BaseException:
+            if early is not None:
+                self._release_early(early, req.request_id, "cancelled")
+            raise
+
+    async def _admit(self, req: AdmissionRequest, early: EarlyRoute | None) -> Ticket:
         plan_class = req.tenant.admission_class
-        decision = await self._limiter.admit(self.quota_request(req))
+        key = (req.tenant.tenant_id, req.version.family)
+        quota = early.quota if early is not None else self.quota_request(req)
+        try:
+            decision = await self._limiter.admit(quota)
+        finally:
+            if early is not None:
+                self._decided(key, early)
+        self._remember(key, decision, quota)
         headers = _rate_headers(decision)
         if not decision.admitted:
             raise self._refusal(req, decision, headers)
@@ -284,16 +408,25 @@ class AdmissionController:
             plan_class, decision.inflight_kv_milli, req.limit.reserved_kv * KV_MILLI
         )
         dispatch_bytes = max(0, req.prompt_tokens_est) * req.version.kv_bytes_per_token
-        replica = self._router.choose(req.version, cls, dispatch_bytes)
         floor = False
-        if replica is None and cls == "best_effort" and self._cfg.enforces("capacity"):
-            replica = self._best_effort_floor(req.version, dispatch_bytes)
-            floor = replica is not None
-        if replica is None:
-            await self._limiter.settle(grant, actual_tokens=0, refund_request=True)
-            self.metrics.decisions.labels(plan_class, "no_capacity").inc()
-            raise self._no_capacity(req, cls, headers)
-        self._router.on_dispatch(replica, req.request_id, dispatch_bytes)
+        if early is not None and early.cls == cls:
+            replica: schema.ReplicaRecord | None = early.replica
+            early.released = True  # kept: the ticket's settle releases it
+            self.metrics.early.labels("kept").inc()
+        else:
+            if early is not None:
+                self._release_early(early, req.request_id, "rerouted")
+                early = None
+            replica = self._router.choose(req.version, cls, dispatch_bytes)
+            if replica is None and cls == "best_effort" and self._cfg.enforces("capacity"):
+                replica = self._best_effort_floor(req.version, dispatch_bytes)
+                floor = replica is not None
+            if replica is None:
+                await self._limiter.settle(grant, actual_tokens=0, refund_request=True)
+                self.metrics.decisions.labels(plan_class, "no_capacity").inc()
+                raise self._no_capacity(req, cls, headers)
+            self._router.on_dispatch(replica, req.request_id, dispatch_bytes)
+        assert replica is not None  # refused above otherwise
         self._floor_window(req.version.version).record(time.monotonic(), flagged=floor)
         ticket = Ticket(
             request_id=req.request_id,
@@ -305,6 +438,7 @@ class AdmissionController:
             effective_class=cls,
             grant=grant,
             est_kv_milli=grant.est_kv_milli,
+            early=early is not None,
         )
         self._held[grant.lease_id] = ticket
         self.metrics.inflight_leases.inc()

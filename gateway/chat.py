@@ -1,8 +1,12 @@
 """``POST /v1/chat/completions`` up to admission: auth → body → validation → model →
-estimate → idempotency → admission. Refusals here are counted, never billed."""
+estimate → idempotency → admission. Refusals here are counted, never billed.
+
+When admission's ``early_route`` allows it, the upstream request is written before the
+quota round trip starts, so the two overlap; a refusal withdraws it (the replica aborts)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from datetime import UTC, datetime
@@ -33,6 +37,7 @@ from gateway.http import (
     send_error,
 )
 from gateway.idempotency import KIND_JSON, Claim, Replay, validate_key
+from gateway.upstream import Dispatch, UpstreamFailure
 from gateway.validation import apply_limits, parse_chat
 
 if TYPE_CHECKING:
@@ -60,6 +65,8 @@ class ChatCompletions:
         tenant_id = "-"
         model = "-"
         claim: Claim | None = None
+        dispatch: Dispatch | None = None  # the upstream request, when sent before admission
+        dispatched_at = 0.0
         try:
             if gw.draining:
                 raise Unavailable(
@@ -92,32 +99,49 @@ class ChatCompletions:
                 gw.metrics.idempotency.labels("retry" if claim.is_retry else "claimed").inc()
             # R6: a retry is a failed Idempotency-Key's next attempt or an SDK retry.
             is_retry = (claim is not None and claim.is_retry) or sdk_retry(hdrs.retry_count)
-            ticket = await gw.admission.admit(
-                AdmissionRequest(
-                    request_id=request_id,
-                    tenant=principal.tenant,
-                    limit=limit,
-                    version=version,
-                    prompt_tokens_est=prompt_estimate,
-                    max_output=max_tokens,
-                    is_retry=is_retry,
-                )
+            admission = AdmissionRequest(
+                request_id=request_id,
+                tenant=principal.tenant,
+                limit=limit,
+                version=version,
+                prompt_tokens_est=prompt_estimate,
+                max_output=max_tokens,
+                is_retry=is_retry,
             )
+            early = gw.admission.early_route(admission)
+            if early is not None:
+                body = gw.upstream.build_body(
+                    req,
+                    version,
+                    max_tokens=max_tokens,
+                    priority=early.priority,
+                    tenant_id=tenant_id,
+                )
+                dispatched_at = time.monotonic()
+                with contextlib.suppress(UpstreamFailure):  # the exchange retries and reports
+                    dispatch = gw.upstream.send(early.replica, body, request_id)
+            ticket = await gw.admission.admit(admission, early)
         except ClientGone:
-            self._release(claim)
+            self._release(claim, dispatch)
             return
         except RedisError as exc:
             log.warning("redis unavailable on the request path: %r", exc)
-            self._release(claim)
+            self._release(claim, dispatch)
             await self._refuse(send, config_store_unavailable(), headers, tenant_id, model)
             return
         except ApiError as exc:
             if exc.status == 409 or exc.status == 422:
                 gw.metrics.idempotency.labels(str(exc.code)).inc()
-            self._release(claim)
+            self._release(claim, dispatch)
             await self._refuse(send, exc, headers, tenant_id, model)
             return
+        except BaseException:
+            self._release(claim, dispatch)
+            raise
 
+        if dispatch is not None and not ticket.early:
+            dispatch.discard()  # admitted in another class than predicted: routed again
+            dispatch = None
         headers.update(ticket.headers)
         exchange = Exchange(
             gw,
@@ -134,10 +158,14 @@ class ChatCompletions:
             started_at=started_at,
             t0=t0,
             headers=headers,
+            dispatch=dispatch,
+            dispatched_at=dispatched_at,
         )
         await exchange.run(receive, send)
 
-    def _release(self, claim: Claim | None) -> None:
+    def _release(self, claim: Claim | None, dispatch: Dispatch | None = None) -> None:
+        if dispatch is not None:
+            dispatch.discard()
         if claim is not None:
             self.gw.spawn(self.gw.idempotency.abandon(claim))
 

@@ -41,6 +41,7 @@ from gateway.http import JSON, SSE, Receive, Send, encode_headers, send_error
 from gateway.relay import END, ERROR, SSE_DONE, USAGE, SSEEvents, StreamTracker
 from gateway.schema import ModelVersionRecord
 from gateway.upstream import (
+    Dispatch,
     ReplicaStalled,
     ReplicaUnreachable,
     UpstreamFailure,
@@ -92,6 +93,8 @@ class Exchange:
         started_at: str,
         t0: float,
         headers: dict[str, str],
+        dispatch: Dispatch | None = None,
+        dispatched_at: float = 0.0,
     ) -> None:
         self.gw = gw
         self.request_id = request_id
@@ -114,7 +117,8 @@ class Exchange:
         self.response_done = False
         self.client_gone = False
         self.stored = False
-        self.dispatched_at = 0.0
+        self.dispatch = dispatch  # already sent (early dispatch, gateway.chat)
+        self.dispatched_at = dispatched_at
         self.added_observed = False
         self._awaiting_first_token = False
         self._terminated = False
@@ -185,18 +189,21 @@ class Exchange:
                 await send_error(send, exc, self.headers)
 
     async def _open(self) -> UpstreamResponse:
-        gw, replica = self.gw, self.ticket.replica
-        body = gw.upstream.build_body(
-            self.req,
-            self.version,
-            max_tokens=self.max_tokens,
-            priority=self.ticket.priority,
-            tenant_id=self.principal.tenant.tenant_id,
-        )
-        self.dispatched_at = time.monotonic()
+        gw, replica, dispatch = self.gw, self.ticket.replica, self.dispatch
+        if dispatch is None:
+            body = gw.upstream.build_body(
+                self.req,
+                self.version,
+                max_tokens=self.max_tokens,
+                priority=self.ticket.priority,
+                tenant_id=self.principal.tenant.tenant_id,
+            )
+            self.dispatched_at = time.monotonic()
         self.gw.metrics.preflight.observe(self.dispatched_at - self.tracker.started)
         try:
-            return await gw.upstream.open(replica, body, self.request_id)
+            if dispatch is None:
+                dispatch = gw.upstream.send(replica, body, self.request_id)
+            return await dispatch.response()
         except UpstreamStatusError as exc:
             gw.metrics.upstream_errors.labels(replica.replica_id, f"status_{exc.status}").inc()
             if exc.status in (429, 503):

@@ -89,6 +89,15 @@ class AdmissionConfig:
     # window) on replicas under the standard ceiling, so it is never starved to zero.
     best_effort_floor_share: float = 0.05
     best_effort_floor_window_s: float = 10.0
+    # Early dispatch: the upstream request leaves while its quota answer is on the way when
+    # this process's last answer for the tenant-model left at least this share of every
+    # limit free (after the other early requests still awaiting theirs), was at most this
+    # old, and fewer than ``early_dispatch_max_pending`` are awaiting theirs. The answer
+    # stays authoritative: a refusal withdraws the upstream request within its round trip.
+    early_dispatch: bool = True
+    early_dispatch_margin: float = 0.25
+    early_dispatch_max_age_s: float = 1.0
+    early_dispatch_max_pending: int = 8
     # Which layers are enforced (all by default).
     layers: frozenset[str] = frozenset(LAYERS)
 
@@ -124,6 +133,7 @@ class AdmissionConfig:
             "reserved_oversubscription",
             "retry_budget_ratio",
             "local_kv_fraction",
+            "early_dispatch_margin",
         ):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
@@ -528,3 +538,59 @@ class RateLimitState:
             "x-ratelimit-reset-requests": format_reset(self.reset_requests_ms),
             "x-ratelimit-reset-tokens": format_reset(self.reset_tokens_ms),
         }
+
+
+# -- early dispatch ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Headroom:
+    """What one tenant-model had free after the last quota answer this process received."""
+
+    at: float  # monotonic time of the answer
+    requests: int  # requests left in the minute (ignored when the limit is 0: unlimited)
+    tokens: int  # tokens left in the minute
+    inflight_kv_milli: int  # the tenant's in-flight KV·seconds, that request included
+
+
+@dataclass(slots=True)
+class Undecided:
+    """Early-dispatched requests of one tenant-model still awaiting their quota answer."""
+
+    requests: int = 0
+    tokens: int = 0
+    kv_milli: int = 0
+
+
+def early_dispatch_allowed(
+    headroom: Headroom,
+    undecided: Undecided,
+    *,
+    rpm: int,
+    tpm: int,
+    kv_cap_milli: int,
+    est_tokens: int,
+    est_kv_milli: int,
+    now: float,
+    cfg: AdmissionConfig,
+) -> bool:
+    """True when the quota answer is all but certain to be yes: every enforced limit keeps
+    ``early_dispatch_margin`` of itself free after this request and the undecided ones, by
+    an answer at most ``early_dispatch_max_age_s`` old. The margin is what other gateway
+    processes may take meanwhile; if they take more, the answer is a refusal and the early
+    request is withdrawn (a round trip of replica time wasted, never an overshoot: the
+    quota ledger in Redis decides either way)."""
+    if not cfg.early_dispatch or now - headroom.at > cfg.early_dispatch_max_age_s:
+        return False
+    if undecided.requests >= cfg.early_dispatch_max_pending:
+        return False
+    margin = cfg.early_dispatch_margin
+    if rpm > 0 and headroom.requests - undecided.requests - 1 < margin * rpm:
+        return False
+    if tpm > 0 and headroom.tokens - undecided.tokens - est_tokens < margin * tpm:
+        return False
+    if kv_cap_milli > 0:
+        free = kv_cap_milli - headroom.inflight_kv_milli - undecided.kv_milli - est_kv_milli
+        if free < margin * kv_cap_milli:
+            return False
+    return True

@@ -217,3 +217,105 @@ async def test_settle_is_idempotent_and_refunds_a_failure_entirely(
     assert float(bucket[0]) == pytest.approx(1000, abs=1)  # the request came back
     assert float(bucket[1]) == pytest.approx(10_000_000, abs=200)  # and every token
     assert await aredis.hget(f"{tenant_tag('t-standard', 'm')}:l", "#") == b"0"
+
+
+async def test_early_route_from_the_last_answer_kept_when_the_answer_agrees(
+    setup: tuple[AdmissionController, StubRegistry],
+) -> None:
+    controller, registry = setup
+    registry.occupy(pool_1=0.0, shared_1=0.10, shared_2=0.20)
+    req = request("standard", rid="a")
+    assert controller.early_route(req) is None  # no answer seen yet for the tenant
+    first = await controller.admit(req)
+    assert not first.early
+    early = controller.early_route(request("standard", rid="b"))
+    assert early is not None and early.priority == 1 and early.replica.pool == "shared"
+    second = await controller.admit(request("standard", rid="b"), early)
+    assert second.early and second.replica is early.replica and second.priority == 1
+    assert controller.metrics.early.labels("kept")._value.get() == 1
+    # A retry never goes early (the retry budget may shed it).
+    assert controller.early_route(replace(request("standard", rid="c"), is_retry=True)) is None
+    for t in (first, second):
+        await controller.settle(t, prompt_tokens=1000, completion_tokens=10, outcome="stop")
+
+
+async def test_early_route_rerouted_when_another_process_moved_the_reserved_floor(
+    setup: tuple[AdmissionController, StubRegistry], redis_url: str, aredis: aioredis.Redis
+) -> None:
+    """The route was chosen as floor (reserved) traffic from this process's last answer;
+    meanwhile another gateway process took the tenant past its floor, so the answer says
+    standard: the early route is released and the request routed again, never sent into
+    the reserved pool above its floor."""
+    controller, registry = setup
+    other, _ = await _second_controller(redis_url, aredis, registry)
+    try:
+        registry.occupy(pool_1=0.30, shared_1=0.10, shared_2=0.10)
+        est = to_milli(kv_gib_seconds(1_000, 1_000, KV, 0.10)) / 1000
+        floor = math.floor(2 * est)  # under it with one request in flight, not with two
+        first = await controller.admit(request("reserved", floor=floor, rid="a"))
+        assert first.effective_class == "reserved"
+        early = controller.early_route(request("reserved", floor=floor, rid="b"))
+        assert early is not None and early.cls == "reserved" and early.replica.pool == "reserved"
+        taken = await other.admit(request("reserved", floor=floor, rid="o"))  # unseen here
+        second = await controller.admit(request("reserved", floor=floor, rid="b"), early)
+        assert not second.early and second.effective_class == "standard"
+        assert second.replica.pool == "shared" and second.priority == 1
+        assert controller.metrics.early.labels("rerouted")._value.get() == 1
+        await other.settle(taken, prompt_tokens=1000, completion_tokens=10, outcome="stop")
+        for t in (first, second):
+            await controller.settle(t, prompt_tokens=1000, completion_tokens=10, outcome="stop")
+    finally:
+        await other.stop()
+
+
+async def test_early_route_refused_by_the_answer_releases_the_replica(
+    setup: tuple[AdmissionController, StubRegistry], redis_url: str, aredis: aioredis.Redis
+) -> None:
+    controller, registry = setup
+    other, _ = await _second_controller(redis_url, aredis, registry)
+    try:
+        registry.occupy(shared_1=0.10, shared_2=0.10)
+        small = dict(prompt=100, max_output=100)
+        first = await controller.admit(_with_rpm(request("standard", rid="a", **small), 8))
+        early = controller.early_route(_with_rpm(request("standard", rid="b", **small), 8))
+        assert early is not None
+        taken = [
+            await other.admit(_with_rpm(request("standard", rid=f"o{i}", **small), 8))
+            for i in range(7)
+        ]
+        with pytest.raises(ApiError) as exc:
+            await controller.admit(_with_rpm(request("standard", rid="b", **small), 8), early)
+        assert exc.value.status == 429
+        assert controller.metrics.early.labels("cancelled")._value.get() == 1
+        # the router no longer counts the withdrawn request on its replica
+        assert "b" not in controller._router._prefilling.get(early.replica.replica_id, {})
+        # and after a refusal the tenant waits for answers again
+        assert controller.early_route(_with_rpm(request("standard", rid="c", **small), 8)) is None
+        for t in [first, *taken]:
+            owner = controller if t is first else other
+            await owner.settle(t, prompt_tokens=100, completion_tokens=10, outcome="stop")
+    finally:
+        await other.stop()
+
+
+def _with_rpm(req: AdmissionRequest, rpm: int) -> AdmissionRequest:
+    limit = replace(req.limit, rpm=rpm)
+    tenant = replace(req.tenant, tenant_id=f"{req.tenant.tenant_id}-rpm{rpm}")
+    return replace(req, limit=limit, tenant=tenant)
+
+
+async def _second_controller(
+    redis_url: str, aredis: aioredis.Redis, registry: StubRegistry
+) -> tuple[AdmissionController, Router]:
+    """Another gateway process's admission: the same Redis, its own in-process state."""
+    config = replace(GatewayConfig(), redis_url=redis_url, admission=AdmissionConfig())
+    router = Router(registry, config=config.admission, clock=lambda: 0.5)  # type: ignore[arg-type]
+    other = AdmissionController(
+        redis=aredis,
+        registry=registry,  # type: ignore[arg-type]
+        router=router,
+        config=config,
+        metrics=GatewayMetrics(),
+    )
+    await other.start()
+    return other, router

@@ -211,6 +211,58 @@ def wait_replica_idle(emu: SpawnedEmulator) -> None:
     )
 
 
+# -- early dispatch ------------------------------------------------------------------------
+
+
+def test_early_dispatch_kept_within_quota_withdrawn_when_another_gateway_took_it(
+    tmp_path: Path,
+    redis_url: str,
+    rm: ReadModel,
+    gws: tuple[GatewayProc, GatewayProc],
+    fast: SpawnedEmulator,
+) -> None:
+    """A gateway sends the upstream request before the quota answer when its last answer
+    left room; the answer still decides. Here gateway B spends the minute's requests after
+    gateway A's last answer, so A's next early request is refused (429) and withdrawn: the
+    replica never completes it."""
+    a = spawn_gateway(
+        tmp_path, redis_url, {**GW_ENV, "GATEWAY_ADMISSION_EARLY_DISPATCH_MAX_AGE_S": "60"}
+    )
+    b = gws[1]
+    try:
+        t = rm.tenant("standard", both(rpm=20))
+        done_before = replica_gauge(fast, "vllm:request_success_total")
+        aborted_before = metric(
+            httpx.get(fast.base_url + "/metrics", timeout=5).text,
+            "vllm:request_success_total",
+            finished_reason="abort",
+        )
+        assert post(a, t, chat_body("fast", 6, 1)).status_code == 200  # no answer yet: sync
+        assert post(a, t, chat_body("fast", 6, 1)).status_code == 200  # 19 left: early
+        text = httpx.get(a.url + "/metrics", timeout=5).text
+        assert metric(text, "fairway_admission_early_dispatch_total", outcome="kept") == 1
+        for _ in range(18):
+            assert post(b, t, chat_body("fast", 6, 1)).status_code == 200
+        refused = post(a, t, chat_body("fast", 6, 200, ignore_eos=True))  # A still sees 18
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["type"] == "requests"
+        text = httpx.get(a.url + "/metrics", timeout=5).text
+        assert metric(text, "fairway_admission_early_dispatch_total", outcome="cancelled") == 1
+        wait_replica_idle(fast)
+        replica = httpx.get(fast.base_url + "/metrics", timeout=5).text
+        # 20 generations completed; the withdrawn one was aborted, or never started.
+        finished = replica_gauge(fast, "vllm:request_success_total") - done_before
+        aborted = metric(replica, "vllm:request_success_total", finished_reason="abort")
+        assert finished - (aborted - aborted_before) == 20
+        assert aborted - aborted_before <= 1
+        # After a refusal the next request waits for its answer again (no early dispatch).
+        assert post(a, t, chat_body("fast", 6, 1)).status_code == 429
+        text = httpx.get(a.url + "/metrics", timeout=5).text
+        assert metric(text, "fairway_admission_early_dispatch_total") == 2
+    finally:
+        a.stop()
+
+
 # -- quota: headers, 429, refunds ----------------------------------------------------------
 
 

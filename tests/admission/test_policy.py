@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -313,3 +314,53 @@ def test_capacity_layer_off_makes_every_replica_eligible() -> None:
     views = [view("r1", 0.99, pool="reserved"), view("s1", 0.97)]
     assert len(policy.eligible(views, "best_effort", off)) == 2
     assert policy.route(views, "best_effort", off, random.Random(0)) is not None
+
+
+# -- early dispatch ------------------------------------------------------------------------
+
+
+def _allowed(
+    headroom: policy.Headroom,
+    undecided: policy.Undecided | None = None,
+    *,
+    now: float = 10.0,
+    cfg: AdmissionConfig | None = None,
+    **request: int,
+) -> bool:
+    q = {"rpm": 100, "tpm": 10_000, "kv_cap_milli": 1_000_000, "est_tokens": 100}
+    q.update({"est_kv_milli": 10_000, **request})
+    return policy.early_dispatch_allowed(
+        headroom, undecided or policy.Undecided(), now=now, cfg=cfg or AdmissionConfig(), **q
+    )
+
+
+def test_early_dispatch_needs_a_margin_on_every_limit_a_recent_answer_and_few_pending() -> None:
+    roomy = policy.Headroom(at=9.5, requests=50, tokens=5_000, inflight_kv_milli=100_000)
+    assert _allowed(roomy)
+    # each layer keeps 25 % of its limit free after this request and the undecided ones
+    assert _allowed(replace(roomy, requests=26)) and not _allowed(replace(roomy, requests=25))
+    assert _allowed(replace(roomy, tokens=2_600)) and not _allowed(replace(roomy, tokens=2_599))
+    assert _allowed(roomy, est_kv_milli=650_000)
+    assert not _allowed(roomy, est_kv_milli=650_001)
+    assert not _allowed(roomy, policy.Undecided(requests=25, tokens=0, kv_milli=0))
+    assert not _allowed(roomy, policy.Undecided(requests=1, tokens=2_401, kv_milli=0))
+    # an unlimited layer (0) never stands in the way
+    assert _allowed(replace(roomy, requests=0, tokens=0), rpm=0, tpm=0, kv_cap_milli=0)
+    # the answer must be recent, and only so many may be awaiting theirs
+    assert _allowed(roomy, now=10.5) and not _allowed(roomy, now=10.6)
+    assert not _allowed(roomy, policy.Undecided(requests=8))
+    assert not _allowed(roomy, cfg=AdmissionConfig(early_dispatch=False))
+
+
+def test_early_dispatch_knobs_from_the_environment() -> None:
+    cfg = AdmissionConfig.from_env(
+        {
+            "GATEWAY_ADMISSION_EARLY_DISPATCH": "0",
+            "GATEWAY_ADMISSION_EARLY_DISPATCH_MARGIN": "0.5",
+            "GATEWAY_ADMISSION_EARLY_DISPATCH_MAX_AGE_S": "2.5",
+        }
+    )
+    assert not cfg.early_dispatch
+    assert cfg.early_dispatch_margin == 0.5 and cfg.early_dispatch_max_age_s == 2.5
+    with pytest.raises(ValueError, match="early_dispatch_margin"):
+        AdmissionConfig(early_dispatch_margin=1.5)
