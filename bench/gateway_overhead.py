@@ -678,7 +678,7 @@ async def main_async(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gateway_overhead")
     parser.add_argument("--rate", type=float, default=200.0, help="requests/s of the comparison")
-    parser.add_argument("--slices", type=int, default=5)
+    parser.add_argument("--slices", type=int, default=8)
     parser.add_argument("--slice-s", type=float, default=2.0)
     parser.add_argument(
         "--workers",
@@ -694,8 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget-s",
         type=float,
-        default=160.0,
-        help="start no sweep step once the whole run has taken this long (< 3 min in all)",
+        default=240.0,
+        help="start no sweep step once the whole run has taken this long (< 5 min in all)",
     )
     parser.add_argument(
         "--forward",
