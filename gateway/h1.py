@@ -136,7 +136,8 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.closed:
             self.closed = True
-            self.pool.forget(self)
+            if self.transport is not None:  # (a TLS handshake that failed was never counted)
+                self.pool.forget(self)
         if not self.complete and self.error is None:
             reason = f": {exc!r}" if exc is not None else ""
             self.error = ReplicaBroken(
@@ -373,6 +374,8 @@ class Pool:
             async with asyncio.timeout(self._pool_timeout):
                 await waiter  # the slot is handed over already counted
         except TimeoutError:
+            if waiter.done() and not waiter.cancelled():
+                return  # handed over just as the timeout fired: the slot is ours
             raise ReplicaUnreachable(
                 f"no upstream connection free within {self._pool_timeout:g} s", refused=False
             ) from None

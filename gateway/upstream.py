@@ -194,6 +194,11 @@ class UpstreamClient:
             self._pool.close()
             self._pool = None
 
+    @property
+    def open_connections(self) -> int:
+        """Connections to replicas open or opening (in use or idle in the pool)."""
+        return self._pool.open_connections if self._pool is not None else 0
+
     def cache_salt(self, tenant_id: str) -> str:
         """HMAC-SHA256(tenant) in hex: 64 chars, no ``/ @ \\`` (vLLM's cache_salt rules)."""
         salt = self._salts.get(tenant_id)

@@ -124,7 +124,7 @@ async def test_keep_alive_reuses_one_connection_and_sends_the_request_whole() ->
     async with ScriptedReplica(lambda ex: ex.ok()) as replica, started() as client:
         for _ in range(3):
             assert await read_all(client, replica) == b"".join(SSE_BODY)
-        assert replica.connections == 1
+        assert replica.connections == 1 and client.open_connections == 1
         assert [index for _, index, _ in replica.requests] == [0, 1, 2]
         head = replica.requests[0][2].lower()
         assert head.startswith(b"post /v1/chat/completions http/1.1\r\n")
@@ -202,7 +202,13 @@ async def test_refused_and_malformed_replicas() -> None:
         nobody = schema.ReplicaRecord("gone", f"http://127.0.0.1:{free_port()}", "shared")
         with pytest.raises(ReplicaUnreachable) as info:
             await client.open(nobody, b"{}", "req-1")
-        assert info.value.refused
+        assert info.value.refused and client.open_connections == 0
+
+    async with ScriptedReplica(lambda ex: ex.ok()) as plain, started() as client:
+        tls = schema.ReplicaRecord("tls", f"https://127.0.0.1:{plain.port}", "shared")
+        with pytest.raises(ReplicaUnreachable):  # a TLS handshake with a plain-HTTP server
+            await client.open(tls, b"{}", "req-1")
+        assert client.open_connections == 0  # the failed handshake holds no pool slot
 
     async def garbage(ex: Exchange) -> bool:
         ex.writer.write(b"SPDY/9 banana\r\n\r\n")
@@ -287,3 +293,4 @@ async def test_a_discarded_dispatch_closes_its_connection() -> None:
         await asyncio.wait_for(answered.wait(), 2)
         await asyncio.sleep(0.05)
         assert replica.disconnects == 1 and len(replica.requests) == 1
+        assert client.open_connections == 0
