@@ -68,11 +68,18 @@ async def setup(
     redis_url: str, aredis: aioredis.Redis
 ) -> AsyncIterator[tuple[AdmissionController, StubRegistry]]:
     registry = StubRegistry()
-    config = replace(
-        GatewayConfig(),
-        redis_url=redis_url,
-        admission=AdmissionConfig(best_effort_floor_share=0.01),
+    controller = await started_controller(
+        redis_url, aredis, registry, AdmissionConfig(best_effort_floor_share=0.01)
     )
+    yield controller, registry
+    await controller.stop()
+
+
+async def started_controller(
+    redis_url: str, aredis: aioredis.Redis, registry: StubRegistry, admission: AdmissionConfig
+) -> AdmissionController:
+    """One gateway process's admission: its own router and in-process state."""
+    config = replace(GatewayConfig(), redis_url=redis_url, admission=admission)
     router = Router(registry, config=config.admission, clock=lambda: 0.5)  # type: ignore[arg-type]
     controller = AdmissionController(
         redis=aredis,
@@ -82,8 +89,7 @@ async def setup(
         metrics=GatewayMetrics(),
     )
     await controller.start()
-    yield controller, registry
-    await controller.stop()
+    return controller
 
 
 def request(
@@ -247,7 +253,7 @@ async def test_early_route_rerouted_when_another_process_moved_the_reserved_floo
     standard: the early route is released and the request routed again, never sent into
     the reserved pool above its floor."""
     controller, registry = setup
-    other, _ = await _second_controller(redis_url, aredis, registry)
+    other = await _second_controller(redis_url, aredis, registry)
     try:
         registry.occupy(pool_1=0.30, shared_1=0.10, shared_2=0.10)
         est = to_milli(kv_gib_seconds(1_000, 1_000, KV, 0.10)) / 1000
@@ -272,7 +278,7 @@ async def test_early_route_refused_by_the_answer_releases_the_replica(
     setup: tuple[AdmissionController, StubRegistry], redis_url: str, aredis: aioredis.Redis
 ) -> None:
     controller, registry = setup
-    other, _ = await _second_controller(redis_url, aredis, registry)
+    other = await _second_controller(redis_url, aredis, registry)
     try:
         registry.occupy(shared_1=0.10, shared_2=0.10)
         small = dict(prompt=100, max_output=100)
@@ -306,16 +312,6 @@ def _with_rpm(req: AdmissionRequest, rpm: int) -> AdmissionRequest:
 
 async def _second_controller(
     redis_url: str, aredis: aioredis.Redis, registry: StubRegistry
-) -> tuple[AdmissionController, Router]:
+) -> AdmissionController:
     """Another gateway process's admission: the same Redis, its own in-process state."""
-    config = replace(GatewayConfig(), redis_url=redis_url, admission=AdmissionConfig())
-    router = Router(registry, config=config.admission, clock=lambda: 0.5)  # type: ignore[arg-type]
-    other = AdmissionController(
-        redis=aredis,
-        registry=registry,  # type: ignore[arg-type]
-        router=router,
-        config=config,
-        metrics=GatewayMetrics(),
-    )
-    await other.start()
-    return other, router
+    return await started_controller(redis_url, aredis, registry, AdmissionConfig())
