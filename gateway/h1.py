@@ -146,12 +146,6 @@ class Connection(asyncio.Protocol):
         self._cancel_stall_timer()
         self._wake()
 
-    def pause_writing(self) -> None:  # the request is one small write; nothing to pause
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # -- httptools callbacks ----------------------------------------------------------
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
