@@ -364,18 +364,23 @@ class Pool:
             return
         waiter = asyncio.get_running_loop().create_future()
         self._slot_waiters.append(waiter)
+        taken = False
         try:
             async with asyncio.timeout(self._pool_timeout):
                 await waiter  # the slot is handed over already counted
+            taken = True
         except TimeoutError:
-            if waiter.done() and not waiter.cancelled():
-                return  # handed over just as the timeout fired: the slot is ours
-            raise ReplicaUnreachable(
-                f"no upstream connection free within {self._pool_timeout:g} s", refused=False
-            ) from None
+            if not waiter.done() or waiter.cancelled():
+                raise ReplicaUnreachable(
+                    f"no upstream connection free within {self._pool_timeout:g} s",
+                    refused=False,
+                ) from None
+            taken = True  # handed over just as the timeout fired: the slot is ours
         finally:
             if not waiter.done():
                 waiter.cancel()
+            elif not taken and not waiter.cancelled():
+                self._closed_one()  # handed over to a caller that left: pass it on
             with contextlib.suppress(ValueError):
                 self._slot_waiters.remove(waiter)
 

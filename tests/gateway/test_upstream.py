@@ -272,10 +272,15 @@ async def test_the_connection_cap_waits_for_the_pool_timeout_then_refuses() -> N
         with pytest.raises(ReplicaUnreachable) as info:
             await client.open(replica.record, b"{}", "req-2")
         assert not info.value.refused
+        leaver = asyncio.ensure_future(client.open(replica.record, b"{}", "req-3"))
+        await asyncio.sleep(0.05)
+        leaver.cancel()  # a caller that leaves while waiting for a slot takes none with it
+        with contextlib.suppress(asyncio.CancelledError):
+            await leaver
         release.set()
         assert await first == b"".join(SSE_BODY)
         assert await read_all(client, replica) == b"".join(SSE_BODY)
-        assert replica.connections == 1
+        assert replica.connections == 1 and client.open_connections == 1
 
 
 async def test_a_discarded_dispatch_closes_its_connection() -> None:
