@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from fairway.embedded import EmbeddedServices
+from tests.support import flushed_redis
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +31,10 @@ def redis_url(services: EmbeddedServices) -> str:
 @pytest.fixture(scope="session")
 def kafka_bootstrap(services: EmbeddedServices) -> str:
     return services.kafka_bootstrap()
+
+
+@pytest.fixture(scope="module")
+def rdb(redis_url: str) -> Iterator[redis.Redis]:
+    """The Redis DB for one test module, emptied before and after it."""
+    with flushed_redis(redis_url) as client:
+        yield client

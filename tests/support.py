@@ -1,4 +1,4 @@
-"""Process helpers shared by the suites that run real gateway processes."""
+"""Helpers shared by the suites: free ports, waiting, a flushed Redis DB, gateway processes."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import httpx
+import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
@@ -23,6 +24,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def flushed_redis(url: str) -> Iterator[redis.Redis]:
+    """A client of the tests' Redis DB, emptied before and after (FLUSHDB, never FLUSHALL)."""
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    try:
+        yield client
+    finally:
+        client.flushdb()
+        client.close()
 
 
 def wait_until(

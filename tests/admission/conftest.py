@@ -8,14 +8,13 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from tests.support import flushed_redis
+
 
 @pytest.fixture
 def redis_sync(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
+    with flushed_redis(redis_url) as client:
+        yield client
 
 
 @pytest.fixture

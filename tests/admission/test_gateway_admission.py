@@ -93,15 +93,6 @@ def version(name: str, family: str, url: str, kv_tokens: int) -> schema.ModelVer
 
 
 @pytest.fixture(scope="module")
-def rdb(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
-
-
-@pytest.fixture(scope="module")
 def fast() -> Iterator[SpawnedEmulator]:
     with spawn_emulator(PROFILE, "fast-v1", 20.0) as emu:
         yield emu

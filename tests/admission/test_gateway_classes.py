@@ -9,7 +9,6 @@ the engine's own view of each request; the gateway is a real ``python -m gateway
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -57,24 +56,15 @@ def version_on(
     )
 
 
-@pytest.fixture
-def rdb(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
-
-
 def prompt_tokens(emu: EmulatorHandle) -> float:
     return metric(httpx.get(emu.base_url + "/metrics", timeout=5).text, "vllm:prompt_tokens_total")
 
 
 async def test_class_reaches_the_replica_as_vllm_priority(
-    rdb: redis.Redis, redis_url: str, tmp_path: Path
+    redis_sync: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
     async with running_emulator(PROFILE, "prio-v1", speed=0.5) as emu:
-        rm = ReadModel(rdb)
+        rm = ReadModel(redis_sync)
         rm.add_version(version_on("prio-v1", "prio", [(emu, "shared")]))
         tenants = {
             cls: rm.tenant(cls, limits("prio", floor=500_000 if cls == "reserved" else 0))
@@ -105,13 +95,13 @@ async def test_class_reaches_the_replica_as_vllm_priority(
 
 
 async def test_reserved_pool_takes_only_reserved_floor_traffic(
-    rdb: redis.Redis, redis_url: str, tmp_path: Path
+    redis_sync: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
     async with (
         running_emulator(PROFILE, "pool-v1", speed=20.0) as shared,
         running_emulator(PROFILE, "pool-v1", speed=20.0) as reserved,
     ):
-        rm = ReadModel(rdb)
+        rm = ReadModel(redis_sync)
         rm.add_version(version_on("pool-v1", "pool", [(shared, "shared"), (reserved, "reserved")]))
         enterprise = rm.tenant("reserved", limits("pool", floor=500_000))
         standard = rm.tenant("standard", limits("pool"))

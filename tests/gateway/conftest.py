@@ -140,15 +140,6 @@ class ReadModelSeeder:
 
 
 @pytest.fixture(scope="module")
-def rdb(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
-
-
-@pytest.fixture(scope="module")
 def seeder(rdb: redis.Redis) -> ReadModelSeeder:
     return ReadModelSeeder(rdb)
 

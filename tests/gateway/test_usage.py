@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
 from emulator.testing import SpawnedEmulator
@@ -133,8 +134,6 @@ def _request(client: httpx.Client, secret: str, stream: bool) -> str:
         data = [line for line in response.iter_lines() if line.startswith("data: ")]
         assert data[-1] == "data: [DONE]"
         first = data[0]
-    import orjson
-
     return str(orjson.loads(first[6:])["id"]).removeprefix("chatcmpl-")
 
 
