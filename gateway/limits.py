@@ -326,6 +326,12 @@ class Grant:
     local: bool  # admitted while Redis was unreachable: nothing to release there
     settled: bool = False
 
+    @classmethod
+    def of(cls, q: QuotaRequest, lease_id: str, *, local: bool) -> Grant:
+        return cls(
+            lease_id, q.tenant_id, q.family, q.rpm, q.tpm, q.est_tokens, q.est_kv_milli, local
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class QuotaDecision:
@@ -490,16 +496,7 @@ class Limiter:
         state = RateLimitState(q.rpm, max(0, rrem), rreset, q.tpm, max(0, trem), treset)
         grant = None
         if ok:
-            grant = Grant(
-                lease_id,
-                q.tenant_id,
-                q.family,
-                q.rpm,
-                q.tpm,
-                q.est_tokens,
-                q.est_kv_milli,
-                local=False,
-            )
+            grant = Grant.of(q, lease_id, local=False)
         return QuotaDecision(
             admitted=bool(ok),
             layer=_REASONS.get(reason),
@@ -537,16 +534,7 @@ class Limiter:
         if admitted:
             window.record(now_s, flagged=q.is_retry)
             local.leases[lease_id] = q.est_kv_milli
-            grant = Grant(
-                lease_id,
-                q.tenant_id,
-                q.family,
-                q.rpm,
-                q.tpm,
-                q.est_tokens,
-                q.est_kv_milli,
-                local=True,
-            )
+            grant = Grant.of(q, lease_id, local=True)
         else:  # nothing was consumed
             if q.rpm:
                 local.rpm.give(1, now_ms)
