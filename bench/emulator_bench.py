@@ -250,7 +250,37 @@ def sse_bench(stream_counts: list[int], duration: float, warmup: float) -> list[
     return rows
 
 
-def write_sse_report(rows: list[dict[str, Any]], command: str) -> Path:
+def engine_costs() -> dict[str, float]:
+    """CPU the fleet simulation and the 128k scenarios lean on, in this process: one decode
+    step of 130 running sequences (the fleet simulation drives ~44 engines of ~130), and
+    templating + tokenizing a 128k-token prompt."""
+    from emulator.engine import Engine
+    from emulator.profiles import get_profile
+    from emulator.tokenizer import Tokenizer, output_vocab
+
+    engine = Engine(get_profile("llama-8b-tp1-h100"))
+    for i in range(130):
+        engine.add_request(
+            f"r{i}", [10_000 + i * 1_000 + t for t in range(200)], 5000, ignore_eos=True
+        )
+    for _ in range(20):
+        engine.step()
+    start = time.process_time()
+    for _ in range(500):
+        engine.step()
+    step_s = (time.process_time() - start) / 500
+    vocab = [word.strip() for word in output_vocab()]
+    text = " ".join(vocab[(i * 7) % len(vocab)] for i in range(60_000))
+    start = time.process_time()
+    ids = Tokenizer().apply_chat_template([{"role": "user", "content": text}])
+    return {
+        "step_ms": step_s * 1000,
+        "prompt_tokens": len(ids),
+        "tokenize_ms": (time.process_time() - start) * 1000,
+    }
+
+
+def write_sse_report(rows: list[dict[str, Any]], costs: dict[str, float], command: str) -> Path:
     lines = [
         "# Emulator SSE throughput (one process, one core, --speed 1)",
         "",
@@ -282,6 +312,13 @@ def write_sse_report(rows: list[dict[str, Any]], command: str) -> Path:
         "Targets: >= 500 concurrent streams and >= 20,000 streamed tokens/s on one core. "
         "`model s per wall s` near 1.0 and few clock resyncs mean the engine loop kept real "
         "time; a server CPU share near 100 % means the process was saturated.",
+        "",
+        "## Engine costs (CPU time in one process)",
+        "",
+        f"- one decode step of 130 running sequences: {costs['step_ms']:.3f} ms "
+        "(the fleet simulation steps ~44 such engines)",
+        f"- chat template + tokenizer on a {costs['prompt_tokens']:,.0f}-token prompt: "
+        f"{costs['tokenize_ms']:.0f} ms",
         "",
     ]
     path = RESULTS / "emulator_sse.md"
@@ -489,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         print("SSE throughput:", flush=True)
         counts = [int(x) for x in args.streams.split(",")]
         rows = sse_bench(counts, args.duration, args.warmup)
-        print(f"  -> {write_sse_report(rows, command)}")
+        print(f"  -> {write_sse_report(rows, engine_costs(), command)}")
     if args.only in (None, "cliff"):
         print("Occupancy cliff:", flush=True)
         levels = [int(x) for x in args.cliff_levels.split(",")]

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from emulator.engine import RUNNING, WAITING, Engine
+from emulator.engine import RUNNING, WAITING
 
 from .conftest import run_until_idle, small_engine
 
@@ -180,20 +180,3 @@ def test_add_request_validates() -> None:
     assert req.max_tokens == 10
     with pytest.raises(ValueError):
         engine.add_request("clamped", prompt(0, 5), 10)
-
-
-def test_engine_is_cheap_per_step() -> None:
-    """Fleet simulations drive ~44 engines x ~130 sequences: one decode step of 130 running
-    sequences must cost well under a millisecond of CPU (generous bound for slow CI)."""
-    import time
-
-    engine = Engine(small_engine().profile)
-    for i in range(130):
-        engine.add_request(f"r{i}", prompt(i, 200), 5000, ignore_eos=True)
-    for _ in range(20):
-        engine.step()
-    start = time.process_time()
-    for _ in range(500):
-        engine.step()
-    per_step = (time.process_time() - start) / 500
-    assert per_step < 0.002

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -71,15 +70,14 @@ def test_ids_are_stable_across_processes() -> None:
     assert outputs.pop().decode().strip() == str(expected)
 
 
-def test_a_128k_token_prompt_tokenizes_fast() -> None:
+def test_a_128k_token_prompt_tokenizes_to_its_length() -> None:
+    # Its CPU cost is measured by `python -m bench.emulator_bench` (engine costs).
     vocab = [word.strip() for word in output_vocab()]
     text = " ".join(vocab[(i * 7) % len(vocab)] for i in range(60_000))
     tokenizer = Tokenizer()
-    start = time.perf_counter()
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    elapsed = time.perf_counter() - start
     assert len(ids) > 100_000
-    assert elapsed < 1.0  # typically ~50 ms; generous for a loaded CI machine
+    assert 0 < len(ids) - tokenizer.count_text(text) < 16  # the template's few tokens
 
 
 def test_output_text_round_trip() -> None:
