@@ -74,7 +74,7 @@ class GatewayApp:
                     raise MethodNotAllowed(
                         "Use POST for /v1/chat/completions.", code="method_not_allowed"
                     )
-                await self.chat(receive, send, hdrs, request_id, client_rid)
+                await self.chat(receive, send, hdrs, request_id, client_rid, headers)
             elif method != "GET" and path in (MODELS, "/healthz", "/readyz", "/metrics"):
                 raise MethodNotAllowed(f"Use GET for {path}.", code="method_not_allowed")
             elif path == MODELS:

@@ -57,11 +57,12 @@ class ChatCompletions:
         hdrs: RequestHeaders,
         request_id: str,
         client_request_id: str | None,
+        headers: dict[str, str],
     ) -> None:
+        """``headers`` (``x-request-id`` so far) go on the response, whatever it is."""
         gw = self.gw
         t0 = time.monotonic()
         started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
-        headers = {"x-request-id": client_request_id or request_id}
         tenant_id = "-"
         model = "-"
         claim: Claim | None = None
