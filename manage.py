@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Django's command-line utility. Development settings unless DJANGO_SETTINGS_MODULE is set."""
+"""Django's command-line utility. Without DJANGO_SETTINGS_MODULE: production settings under
+FAIRWAY_ENV=production, development ones otherwise."""
 
-import os
 import sys
 
 
 def main() -> None:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fairway.settings.local")
+    from fairway.env import set_default_settings_module
+
+    set_default_settings_module()
     from django.core.management import execute_from_command_line
 
     execute_from_command_line(sys.argv)

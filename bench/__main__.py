@@ -43,6 +43,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("gateway_overhead", "2 · Gateway overhead", "gateway_overhead.md"),
     Scenario("herd", "3 · Routing herd", "herd.md"),
     Scenario("fleet_sim", "4 · Fleet-scale simulation", "fleet_sim.md"),
+    Scenario("ingest", "5 · Usage ingestion (Kafka → PostgreSQL)", "ingest.md"),
+    Scenario("prefix_routing", "6 · KV-cache-aware routing (simulation)", "prefix_routing.md"),
+    Scenario("prefix_gateway", "7 · KV-cache-aware routing (real gateways)", "prefix_gateway.md"),
+    Scenario("faults", "8 · Faults (clients and end-to-end usage)", "faults.md"),
+    Scenario("abuse", "9 · Abuse (a well-behaved tenant under four attacks)", "abuse.md"),
+    Scenario("redis_cluster", "10 · Admission on a Redis Cluster", "redis_cluster.md"),
 )
 
 
@@ -82,7 +88,7 @@ def record_runs(ran: dict[str, tuple[int, float]]) -> dict[str, dict[str, object
 
 def write_index(ran: dict[str, tuple[int, float]], total_s: float) -> Path:
     runs = record_runs(ran)
-    all_s = sum(float(r["seconds"]) for r in runs.values())  # type: ignore[arg-type]
+    all_s = sum(float(str(r["seconds"])) for r in runs.values())
     md = [
         "# Benchmark results\n",
         f"Produced by `python -m bench` (or `make bench`) on {os.cpu_count()} CPU cores, "
@@ -93,17 +99,30 @@ def write_index(ran: dict[str, tuple[int, float]], total_s: float) -> Path:
         "scenario does and why the scaling preserves the design's ratios: "
         "[bench/README.md](../README.md).\n",
     ]
-    headline = RESULTS / "noisy_neighbour_headline.md"
-    if headline.exists():
-        md.append("## Headline — noisy neighbour (scenario 1)\n")
-        md.append(headline.read_text())
-        md.append("![TTFT and KV occupancy per arm](noisy_neighbour.png)\n")
-        md.append("Targets and per-tenant tables: [noisy_neighbour.md](noisy_neighbour.md).\n")
-    fleet = RESULTS / "fleet_sim_headline.md"
-    if fleet.exists():
-        md.append("## Fleet-scale simulation (scenario 4)\n")
-        md.append(fleet.read_text())
-        md.append("Cliff, herd and retry-storm tables: [fleet_sim.md](fleet_sim.md).\n")
+    compare = RESULTS / "design_vs_realistic.md"
+    if compare.exists():  # written by hand when the emulator's timing model changed
+        md.append(compare.read_text())
+    isolation = RESULTS / "isolation.md"
+    if isolation.exists():  # written by hand from the several-flooders runs
+        md.append(isolation.read_text())
+    headlines: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+        (
+            "noisy_neighbour_headline.md",
+            "## Headline — noisy neighbour (scenario 1)\n",
+            (
+                "![TTFT and KV occupancy per arm](noisy_neighbour.png)\n",
+                "Targets and per-tenant tables: [noisy_neighbour.md](noisy_neighbour.md).\n",
+            ),
+        ),
+        (
+            "fleet_sim_headline.md",
+            "## Fleet-scale simulation (scenario 4)\n",
+            ("Cliff, herd and retry-storm tables: [fleet_sim.md](fleet_sim.md).\n",),
+        ),
+    )
+    for name, title, links in headlines:
+        if (RESULTS / name).exists():
+            md += [title, (RESULTS / name).read_text(), *links]
     md.append("## Scenarios\n")
     md.append("| scenario | command | report | exit | minutes | run at |")
     md.append("|---|---|---|---|---|---|")

@@ -1,8 +1,9 @@
-"""§7's occupancy cliff on one 70B replica, measured on the emulator's real ``Engine``.
+"""The occupancy cliff (docs/design.md §7) on one 70B replica, measured on the emulator's
+real ``Engine``.
 
-Poisson arrivals with the §2 token shape go straight into one replica (no gateway: the
-cliff is the replica's own behaviour) at a sweep of rates. Each point reports the mean KV
-occupancy, TPOT and TTFT percentiles and preemptions per minute, all in model time.
+Poisson arrivals with the token shape of docs/design.md §2 go straight into one replica (no
+gateway: the cliff is the replica's own behaviour) at a sweep of rates. Each point reports the mean
+KV occupancy, TPOT and TTFT percentiles and preemptions per minute, all in model time.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import numpy as np
 
 from bench.stats import percentile
 from bench.workload import DESIGN_OUTPUT, DESIGN_PROMPT
-from emulator.engine import Engine, EngineConfig
+from emulator.engine import Engine
 from emulator.profiles import Profile
+from emulator.replica_flags import platform_engine_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +45,7 @@ def run_engine(
     profile: Profile, rate: float, duration: float, warmup: float, seed: int = 1
 ) -> CliffPoint:
     started = time.perf_counter()
-    eng = Engine(profile, EngineConfig(enable_prefix_caching=False), seed=seed)
+    eng = Engine(profile, platform_engine_config(enable_prefix_caching=False), seed=seed)
     times, prompts, outputs = _arrivals(rate, duration, seed)
     i, n = 0, len(times)
     occ_area = 0.0

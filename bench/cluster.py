@@ -1,7 +1,7 @@
 """Real processes for the loopback benchmarks: emulated replicas, gateways, the read model.
 
 A ``Cluster`` starts ``python -m emulator`` replicas and ``python -m gateway`` processes,
-seeds the gateway's read model straight into Redis with ``gateway.schema`` records (what
+seeds the gateway's read model straight into Redis with ``contracts.schema`` records (what
 the control plane would push; no Django needed), scrapes the replicas' ``/metrics`` while a
 run is going, and stops everything it started.
 """
@@ -19,17 +19,20 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import httpx
 import redis
 
+from bench.prom_parse import metric_sums
+from contracts import schema
+from contracts.readmodel_writer import ReadModelWriter
+from contracts.replica_flags import platform_replica_args
 from emulator.profiles import Profile
 from emulator.testing import SpawnedEmulator
 from fairway.embedded import free_port
-from gateway import schema
-from gateway.config import DEV_KEY_PEPPER
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,20 +81,17 @@ def seed_read_model(
     client: redis.Redis, tenants: Iterable[TenantSeed], catalog: schema.Catalog
 ) -> None:
     """Write tenants, keys and the catalog as the control plane's push would."""
-    pepper = DEV_KEY_PEPPER.encode()
-    pipe = client.pipeline()
-    for t in tenants:
-        key_hash = schema.hash_api_key(t.secret, pepper)
-        key = schema.KeyRecord(
-            key_id=f"key-{t.tenant_id}", tenant_id=t.tenant_id, scopes=("chat", "models:read")
+    seeds = list(tenants)
+    keys = [
+        (
+            t.secret,
+            schema.KeyRecord(
+                key_id=f"key-{t.tenant_id}", tenant_id=t.tenant_id, scopes=("chat", "models:read")
+            ),
         )
-        pipe.set(schema.key_redis_key(key_hash), schema.dumps(key))
-        pipe.set(schema.tenant_redis_key(t.tenant_id), schema.dumps(t.record))
-    pipe.set(schema.CATALOG_KEY, schema.dumps(catalog))
-    pipe.incr(schema.VERSION_KEY)
-    version = pipe.execute()[-1]
-    change = schema.Change(kind="all", ident="", version=int(version))
-    client.publish(schema.CHANGES_CHANNEL, schema.dumps(change))
+        for t in seeds
+    ]
+    ReadModelWriter(client).put_all(keys, [t.record for t in seeds], catalog)
 
 
 # -- processes --------------------------------------------------------------------------
@@ -137,9 +137,11 @@ def start_replicas(
     pools: Sequence[schema.Pool],
     speed: float,
     seed: int,
-    extra: dict[str, object] | None = None,
+    extra: dict[str, Any] | None = None,  # more SpawnedEmulator options
+    omit_platform_flags: Sequence[str] = (),
 ) -> list[Replica]:
-    """Start one emulator per pool entry, in parallel (each prints its URL when ready)."""
+    """Start one emulator per pool entry, in parallel (each prints its URL when ready), with
+    the platform's replica flags (``contracts.replica_flags``) less ``omit_platform_flags``."""
     procs = []
     for i, _pool in enumerate(pools):
         procs.append(
@@ -147,7 +149,11 @@ def start_replicas(
                 profile.name,
                 served_model,
                 speed,
-                extra_args=["--profile-file", str(profile_file)],
+                extra_args=[
+                    "--profile-file",
+                    str(profile_file),
+                    *platform_replica_args(omit=omit_platform_flags),
+                ],
                 seed=seed + i,
                 log_level="error",
                 ready_timeout=60.0,
@@ -175,10 +181,20 @@ def stop_replicas(replicas: Iterable[Replica]) -> None:
 
 
 def start_gateway(
-    redis_url: str, workers: int, env_extra: dict[str, str], workdir: Path, timeout: float = 60.0
+    redis_url: str,
+    workers: int,
+    env_extra: dict[str, str],
+    workdir: Path,
+    timeout: float = 60.0,
+    root: Path = ROOT,
+    python_args: Sequence[str] = (),
 ) -> Gateway:
+    """``python -m gateway`` from the checkout at ``root`` (another commit's, to compare);
+    ``python_args`` go before ``-m gateway`` (``-m cProfile -o FILE`` to profile it)."""
     port = free_port()
     env = dict(os.environ)
+    if root != ROOT:
+        env["PYTHONPATH"] = str(root)
     env.update(
         {
             "REDIS_URL": redis_url,
@@ -192,9 +208,9 @@ def start_gateway(
     log_path = workdir / f"gateway-{port}.log"
     log = log_path.open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "--port", str(port), "--workers", str(workers),
-         "--log-level", "warning"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        [sys.executable, *python_args, "-m", "gateway", "--port", str(port), "--workers",
+         str(workers), "--log-level", "warning"],
+        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     log.close()
     gw = Gateway(proc, f"http://127.0.0.1:{port}", log_path)
@@ -210,18 +226,63 @@ def start_gateway(
     raise RuntimeError(f"gateway not ready in {timeout:.0f} s: {log_path.read_text()[-2000:]}")
 
 
+@dataclass(frozen=True, slots=True)
+class Checkout:
+    """Another commit's tree (``git worktree add --detach DIR SHA``) whose gateway runs beside
+    this one's, to compare the two in one sitting: its own code (``PYTHONPATH``), its own
+    Redis DB, and a read model written by its own ``bench.gateway_overhead.seed`` (the
+    contract's records may differ between the two commits)."""
+
+    root: Path
+    redis_url: str
+    key: str  # the API key its seed wrote
+
+    @classmethod
+    def seeded(
+        cls, root: Path, redis_url: str, replica_url: str, db: int = 1, tools: bool = False
+    ) -> Checkout:
+        own = redis_url_with_db(redis_url, db)
+        code = (
+            "import sys; from bench.gateway_overhead import seed; "
+            "print(seed(*sys.argv[1:3], *([True] if sys.argv[3:] else [])))"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code, own, replica_url, *(["tools"] if tools else [])],
+            cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"seeding the read model of {root} failed: {done.stderr[-2000:]}")
+        return cls(root, own, done.stdout.strip().splitlines()[-1])
+
+    def start_gateway(
+        self,
+        workers: int,
+        env_extra: dict[str, str],
+        workdir: Path,
+        python_args: Sequence[str] = (),
+    ) -> Gateway:
+        return start_gateway(
+            self.redis_url, workers, env_extra, workdir, root=self.root, python_args=python_args
+        )
+
+
+def describe_tree(root: Path) -> str:
+    """``<short sha> <subject>`` of the checkout's HEAD, "+ uncommitted changes" if any."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    head = git("log", "-1", "--format=%h %s")
+    if not head:
+        return str(root)
+    if len(head) > 60:
+        head = head[:60].rsplit(" ", 1)[0] + " …"
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return head + (" + uncommitted changes" if dirty else "")
+
+
 # -- metrics ----------------------------------------------------------------------------
-
-
-def parse_metric(text: str, name: str) -> float | None:
-    """Sum of the samples of one metric in Prometheus text (labels ignored)."""
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if line.startswith(name) and (len(line) > len(name) and line[len(name)] in " {"):
-            with contextlib.suppress(ValueError, IndexError):
-                total += float(line.rsplit(" ", 1)[1])
-                found = True
-    return total if found else None
 
 
 @dataclass(slots=True)
@@ -230,6 +291,10 @@ class ReplicaTrace:
     occupancy: list[float] = field(default_factory=list)
     preemptions: float = 0.0
     preemptions_at_start: float | None = None
+    # Model seconds the replica skipped because the box could not keep its pace (CPU-bound):
+    # latencies measured while it lagged are inflated by about this much.
+    clock_lag_s: float = 0.0
+    clock_lag_at_start: float | None = None
 
 
 class MetricsScraper:
@@ -253,8 +318,14 @@ class MetricsScraper:
                         async with session.get(r.base_url + "/metrics") as resp:
                             text = await resp.text()
                         tr = self.traces[r.replica_id]
-                        occ = parse_metric(text, "vllm:kv_cache_usage_perc")
-                        pre = parse_metric(text, "vllm:num_preemptions_total")
+                        sums = metric_sums(text)
+                        occ = sums.get("vllm:kv_cache_usage_perc")
+                        pre = sums.get("vllm:num_preemptions_total")
+                        lag = sums.get("emulator_clock_lag_seconds_total")
+                        if lag is not None:
+                            if tr.clock_lag_at_start is None:
+                                tr.clock_lag_at_start = lag
+                            tr.clock_lag_s = lag - tr.clock_lag_at_start
                         if occ is not None:
                             tr.t.append((loop.time() - t0) * self.speed)
                             tr.occupancy.append(occ)

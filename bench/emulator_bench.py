@@ -36,6 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.prom_parse import metric_sums
+from bench.stats import percentile
+
 RESULTS = Path(__file__).resolve().parent / "results"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 CONTENT_MARK = b'{"content":'  # one per token event; the role event has no such key
@@ -116,17 +119,14 @@ async def scrape(host: str, port: int) -> dict[str, float]:
     writer.write(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
     raw = await reader.read(-1)
     writer.close()
-    out: dict[str, float] = {}
-    for line in raw.decode().splitlines():
-        for name in (
-            "vllm:generation_tokens_total",
-            "emulator_model_time_seconds",
-            "emulator_clock_resyncs_total",
-            "vllm:num_requests_running",
-        ):
-            if line.startswith(name + "{"):
-                out[name] = float(line.rsplit(" ", 1)[1])
-    return out
+    sums = metric_sums(raw.decode().partition("\r\n\r\n")[2])
+    names = (
+        "vllm:generation_tokens_total",
+        "emulator_model_time_seconds",
+        "emulator_clock_resyncs_total",
+        "vllm:num_requests_running",
+    )
+    return {name: sums[name] for name in names if name in sums}
 
 
 async def load_main(args: argparse.Namespace) -> dict[str, Any]:
@@ -331,13 +331,6 @@ def write_sse_report(rows: list[dict[str, Any]], costs: dict[str, float], comman
 # ----------------------------------------------------------------------------------------
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def cliff_point(concurrency: int, warmup: float, measure: float, seed: int) -> dict[str, float]:
     from emulator.engine import Engine
     from emulator.profiles import get_profile
@@ -399,10 +392,10 @@ def cliff_point(concurrency: int, warmup: float, measure: float, seed: int) -> d
         "concurrency": concurrency,
         "kv_demand": demand_time / window,
         "occupancy": occupancy_time / window,
-        "tpot_p50_ms": percentile(tpots, 0.50) * 1000,
-        "tpot_p95_ms": percentile(tpots, 0.95) * 1000,
-        "itl_p95_ms": percentile(itl, 0.95) * 1000,
-        "ttft_p95_s": percentile(ttfts, 0.95),
+        "tpot_p50_ms": percentile(tpots, 50) * 1000,
+        "tpot_p95_ms": percentile(tpots, 95) * 1000,
+        "itl_p95_ms": percentile(itl, 95) * 1000,
+        "ttft_p95_s": percentile(ttfts, 95),
         "preemptions_per_min": (stats.num_preemptions - preemptions_start) / window * 60,
         "recompute_share": (stats.recomputed_tokens - recompute_start) / prefill if prefill else 0,
         "out_tok_per_s": (stats.generation_tokens - gen_start) / window,
@@ -426,11 +419,20 @@ def cliff_bench(levels: list[int], warmup: float, measure: float) -> list[dict[s
 def write_cliff_report(
     rows: list[dict[str, float]], command: str, warmup: float, measure: float
 ) -> tuple[Path, Path]:
-    import matplotlib
+    """emulator_cliff.md (its table) and emulator_cliff.png (its plot)."""
+    png = RESULTS / "emulator_cliff.png"
+    _plot_cliff(rows, png)
+    lines = _cliff_table(rows, command, warmup, measure)
+    lines.insert(4, f"![cliff]({png.name})\n")
+    md = RESULTS / "emulator_cliff.md"
+    md.write_text("\n".join(lines))
+    return md, png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _cliff_table(
+    rows: list[dict[str, float]], command: str, warmup: float, measure: float
+) -> list[str]:
+    """The command, the closed loop's definitions and one row per concurrency."""
     lines = [
         "# The occupancy cliff (70B profile, Engine in model time)",
         "",
@@ -455,7 +457,22 @@ def write_cliff_report(
         for r in rows
     )
     lines.append("")
-    md = RESULTS / "emulator_cliff.md"
+    return lines
+
+
+def _one_legend(ax: Any, twin: Any) -> None:
+    """One legend for a panel and its twin y axis."""
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = twin.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="upper left")
+
+
+def _plot_cliff(rows: list[dict[str, float]], png: Path) -> None:
+    """TPOT and preemptions against occupancy; occupancy and TTFT against KV demand."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     fig, (ax, right) = plt.subplots(1, 2, figsize=(13, 5))
     occupancy = [r["occupancy"] * 100 for r in rows]
@@ -468,9 +485,7 @@ def write_cliff_report(
     twin.plot(occupancy, [r["preemptions_per_min"] for r in rows], "x:", color="red",
               label="preemptions / min")  # fmt: skip
     twin.set_ylabel("preemptions per minute")
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = twin.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="upper left")
+    _one_legend(ax, twin)
     ax.set_title("TPOT and preemptions vs occupancy")
     demand = [r["kv_demand"] * 100 for r in rows]
     right.plot(demand, occupancy, "o-", label="occupancy (%)")
@@ -481,18 +496,12 @@ def write_cliff_report(
                 label="TTFT p95 (s)")  # fmt: skip
     right2.set_yscale("log")
     right2.set_ylabel("TTFT p95 (s, log)")
-    h1, l1 = right.get_legend_handles_labels()
-    h2, l2 = right2.get_legend_handles_labels()
-    right.legend(h1 + h2, l1 + l2, loc="upper left")
+    _one_legend(right, right2)
     right.set_title("Occupancy saturates; queueing takes over")
     fig.suptitle("Emulated 70B TP4 H100 replica, max_num_batched_tokens 8192 (model time)")
     fig.tight_layout()
-    png = RESULTS / "emulator_cliff.png"
     fig.savefig(png, dpi=110)
     plt.close(fig)
-    lines.insert(4, f"![cliff]({png.name})\n")
-    md.write_text("\n".join(lines))
-    return md, png
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
-"""Scenario 4: fleet-scale discrete-event simulation of the 70B fleet at the design's scale.
+"""Scenario 4: fleet-scale discrete-event simulation of the 70B fleet at the scale of
+docs/design.md §2.
 
-Drives the gateway's own admission and routing code (``gateway.router.Router`` over
-``gateway.policy``: class ceilings, P2C / pick-emptiest / round robin, optimistic
-in-flight; R6 jitter and the retry budget — imported, not copied) against 44 of the
-emulator's own ``Engine`` (70B profile: continuous batching, paged KV, preemption) stepped
-in virtual time, at 333 req/s with the §2 token shape. Several gateways each keep their
-own optimistic in-flight view, as in production; all of them see replica occupancy only
-through a scrape every 250 ms.
+Drives the gateway's own admission and routing code (``gateway.admission.router.Router`` over
+``gateway.admission`` policy modules: class ceilings, P2C / pick-emptiest / round robin, optimistic
+in-flight; jittered retry-after and the retry budget — imported, not copied) against 44 of
+the emulator's own ``Engine`` (70B profile: continuous batching, paged KV, preemption)
+stepped in virtual time, at 333 req/s with the heavy-tailed token shape (docs/design.md §2).
+Several gateways each keep their own optimistic in-flight view, as in production; all of
+them see replica occupancy only through a scrape every 250 ms.
 Simplified: no network or gateway CPU time, prefix caching off (the prompts are unique),
 clients retry as described per experiment.
 
@@ -27,26 +28,33 @@ from pathlib import Path
 import numpy as np
 
 from bench.cliff import CliffPoint, run_engine
+from bench.noisy_neighbour import threshold_prefill_rate
+from bench.sim import SimRegistry, replica_records, scrape, sim_version
 from bench.stats import TPOT_SLO_S, TTFT_SLO_S
-from bench.workload import DESIGN_OUTPUT, DESIGN_PROMPT
-from emulator.engine import Engine, EngineConfig
+from bench.stats import fmt_ms as _ms
+from bench.stats import fmt_pct as _pct
+from bench.stats import percentile as _p
+from bench.workload import DESIGN_OUTPUT, DESIGN_PROMPT, poisson_arrivals
+from emulator.engine import Engine
 from emulator.profiles import Profile, get_profile
-from gateway import schema
-from gateway.policy import (
-    VLLM_PRIORITY,
-    AdmissionConfig,
-    Strategy,
+from emulator.replica_flags import platform_engine_config
+from gateway.admission.config import LAYERS, VLLM_PRIORITY, AdmissionConfig, Strategy
+from gateway.admission.estimates import long_context_threshold, prefill_seconds
+from gateway.admission.long_context import long_context_admits, long_context_budget
+from gateway.admission.replicas import ReplicaState
+from gateway.admission.retry import (
     capacity_retry_after_ms,
     in_retry_storm,
     sheds_retry,
     storm_retry_after_ms,
 )
-from gateway.replicas import ReplicaState
-from gateway.router import Router
+from gateway.admission.router import Router
 
 RESULTS = Path(__file__).parent / "results"
 PROFILE = "llama-70b-tp4-h100"
 SIM_VERSION = "llama-70b-sim"
+
+HEAVY_PROMPT = 128_000  # a flooding tenant's prompt (plus its output fits the context)
 
 # Event kinds, ordered so that at equal times steps finish before new arrivals are routed.
 _STEP, _SCRAPE, _KILL, _ARRIVE = range(4)
@@ -71,6 +79,9 @@ class SimRequest:
     gateway: int = -1
     final: bool = False  # completed, or the client gave up
     ended: float = 0.0  # when it became final
+    tenant: str = ""
+    heavy: bool = False  # a flooding tenant's 128k prompt
+    long_lease: bool = False  # holds a lease on the long-context budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,18 +97,33 @@ class FleetConfig:
     optimistic: bool = True
     class_mix: tuple[float, float, float] = (0.10, 0.80, 0.10)  # reserved, standard, free
     seed: int = 1
-    # C6: kill these replicas at kill_at_s; r6 = jittered retry-after + retry budget.
+    # A replica failure (docs/design.md C6): kill these replicas at kill_at_s; r6 = the retry
+    # rules of docs/design.md R6 (jittered retry-after + retry budget).
     kill_at_s: float | None = None
     kill_count: int = 1
     r6: bool = True
     max_attempts: int = 4
     unjittered_retry_after_s: float = 5.0
     sample_s: float = 1.0
-    # §2's arithmetic taken literally: every request is the median (800 in, 300 out).
+    # docs/design.md §2's arithmetic taken literally: every request is the median (800 in, 300 out).
     literal: bool = False
+    # Long-context isolation (gateway/admission/placement.py, the long-context budget): off =
+    # routing as before it, for the comparison runs of bench/results/fleet_sim_isolation.md.
+    isolation: bool = False
+    # Standard tenants flooding 128k-token prompts, each at heavy_rps, on top of rate_rps.
+    heavy_tenants: int = 0
+    heavy_rps: float = 0.4
+    tenants: int = 100  # the other traffic's tenants (round robin over request ids)
 
     def admission(self) -> AdmissionConfig:
-        return AdmissionConfig(strategy=self.strategy, optimistic_inflight=self.optimistic)
+        layers = LAYERS if self.isolation else tuple(x for x in LAYERS if x != "long_context")
+        return AdmissionConfig(
+            strategy=self.strategy,
+            optimistic_inflight=self.optimistic,
+            count_request_kv=self.isolation,
+            context_placement=self.isolation,
+            layers=frozenset(layers),
+        )
 
 
 @dataclass(slots=True)
@@ -124,6 +150,7 @@ class SimResult:
     wall_s: float
     attempts: int = 0
     gave_up: int = 0
+    long_refused: int = 0
 
     def measured(self) -> list[SimRequest]:
         """Requests that arrived after the fill-up and resolved before the end of the run
@@ -158,28 +185,22 @@ class SimResult:
 
 
 class _Gateway:
-    """One gateway process: its own ``gateway.router.Router`` (P2C / emptiest / round robin
-    over ``gateway.policy``, optimistic in-flight per dispatch) fed by its own scrapes."""
+    """One gateway process: its own ``gateway.admission.router.Router`` (P2C / emptiest / round
+    robin over ``gateway.admission`` policy modules, optimistic in-flight per dispatch) fed by its
+    own scrapes."""
 
     def __init__(self, n: int, profile: Profile, cfg: AdmissionConfig, seed: int,
                  clock: Callable[[], float]) -> None:  # fmt: skip
-        records = [schema.ReplicaRecord(str(i), f"http://sim/{i}", "shared") for i in range(n)]
-        self._states = [ReplicaState(record=rec, version=SIM_VERSION) for rec in records]
-        self.records = records
-        self.version = schema.ModelVersionRecord(
-            version=SIM_VERSION, family="llama-70b", context_length=profile.max_model_len,
-            kv_bytes_per_token=profile.kv_bytes_per_token, tpot_target_ms=profile.tpot_target_ms,
-            kv_capacity_tokens=profile.kv_capacity_tokens, replicas=tuple(records),
+        self.records = replica_records(n, name=str)
+        self.states = [ReplicaState(record=rec, version=SIM_VERSION) for rec in self.records]
+        self.version = sim_version(
+            SIM_VERSION, "llama-70b", profile, self.records,
+            kv_capacity_tokens=profile.kv_capacity_tokens,
+            prefill_tokens_per_s=threshold_prefill_rate(profile, 1.0),
         )  # fmt: skip
         self.rng = random.Random(seed)
-        self.router = Router(self, self.rng, config=cfg, clock=clock)
-
-    # ReplicaSource, as gateway.replicas.ReplicaRegistry provides it.
-    def states(self, version: str) -> list[ReplicaState]:
-        return self._states
-
-    def state(self, replica_id: str) -> ReplicaState | None:
-        return self._states[int(replica_id)]
+        registry = SimRegistry(SIM_VERSION, self.states)
+        self.router = Router(registry, self.rng, config=cfg, clock=clock)
 
 
 class _Replica:
@@ -187,7 +208,9 @@ class _Replica:
 
     def __init__(self, idx: int, profile: Profile, seed: int) -> None:
         self.idx = idx
-        self.engine = Engine(profile, EngineConfig(enable_prefix_caching=False), seed=seed)
+        self.engine = Engine(
+            profile, platform_engine_config(enable_prefix_caching=False), seed=seed
+        )
         self.alive = True
         self.stepping = False
 
@@ -218,26 +241,33 @@ class FleetSim:
         self.seq = 0
         self.series = Series()
         self.requests: list[SimRequest] = []
-        # R6's retry budget is one shared window (Redis in production): (time, is_retry).
+        # The retry budget is one shared window (Redis in production): (time, is_retry).
         self.window: list[tuple[float, bool]] = []
         self.window_head = 0
         self.attempts = 0
         self.gave_up = 0
         self.tokens_at_warmup = np.zeros(cfg.replicas, dtype=np.int64)
         self._tick = {"arrivals": 0, "retries": 0, "rejected": 0, "rejected_first": 0, "errors": 0}
+        # The fleet's long-context ledger (Redis in production): lease -> (tenant, bytes,
+        # prefill end); tenants refused -> when.
+        self.long_leases: dict[str, tuple[str, int, float]] = {}
+        self.long_waiting: dict[str, float] = {}
+        self.long_served: dict[str, float] = {}  # each tenant's last long admission
+        self.long_refused = 0
+        version = self.gws[0].version
+        self.long_threshold = long_context_threshold(version)
+        self.version_rec = version
 
     # -- events ------------------------------------------------------------------------
 
     def push(self, t: float, kind: int, payload: object) -> None:
         self.seq += 1
-        heapq.heappush(self.events, (t, kind, self.seq, payload))  # type: ignore[arg-type]
+        heapq.heappush(self.events, (t, kind, self.seq, payload))
 
     def _generate(self) -> None:
         cfg = self.cfg
         rng = np.random.default_rng(cfg.seed)
-        n = int(cfg.rate_rps * cfg.duration_s * 1.2) + 100
-        times = np.cumsum(rng.exponential(1.0 / cfg.rate_rps, size=n))
-        times = times[times < cfg.duration_s]
+        times = poisson_arrivals(rng, cfg.rate_rps, 0.0, cfg.duration_s)
         prompts = DESIGN_PROMPT.sample(rng, len(times))
         outputs = DESIGN_OUTPUT.sample(rng, len(times))
         if cfg.literal:
@@ -255,8 +285,20 @@ class FleetSim:
                 arrival=float(t),
                 priority=VLLM_PRIORITY[cls],
             )
+            r.tenant = f"t{i % cfg.tenants}"
             self.requests.append(r)
             self.push(float(t), _ARRIVE, r)
+        rid = len(times)
+        for h in range(cfg.heavy_tenants):
+            hrng = np.random.default_rng(cfg.seed * 101 + h)
+            for t in poisson_arrivals(hrng, cfg.heavy_rps, 0.0, cfg.duration_s):
+                out = int(min(3_000, max(1, DESIGN_OUTPUT.sample(hrng, 1)[0])))
+                r = SimRequest(rid=rid, tenant_class="standard", prompt=HEAVY_PROMPT,
+                               output=out, arrival=float(t), priority=VLLM_PRIORITY["standard"],
+                               tenant=f"heavy-{h + 1}", heavy=True)  # fmt: skip
+                rid += 1
+                self.requests.append(r)
+                self.push(float(t), _ARRIVE, r)
 
     # -- the gateway's decision ----------------------------------------------------------
 
@@ -300,10 +342,30 @@ class FleetSim:
             if sheds_retry(is_retry, r.tenant_class, storm):  # type: ignore[arg-type]
                 self._reject(r, now, storm_retry_after_ms(self.adm, gw.rng) / 1000)
                 return
-        # The gateway's optimistic in-flight charge (gateway/admission.py): prompt + max output.
+        # The gateway's optimistic in-flight charge (gateway/admission/controller.py): prompt + max
+        # output.
         est_bytes = (r.prompt + r.output) * self.kv_bytes
-        record = gw.router.choose(gw.version, r.tenant_class, est_bytes)
+        long_context = self.adm.context_placement and r.prompt >= self.long_threshold
+        lease = f"{r.rid}.{r.attempt}"
+        if long_context and r.tenant_class != "reserved" and self.adm.enforces("long_context"):
+            if not self._long_admit(r, lease, now):
+                self.long_refused += 1
+                self._reject(r, now, capacity_retry_after_ms(self.adm, gw.rng) / 1000)
+                return
+        if self.adm.context_placement:
+            fleet = sum(b for _, b, _ in self.long_leases.values())
+            own = self.long_leases[lease][1] if r.long_lease else 0
+            gw.router.note_fleet_long(SIM_VERSION, fleet - own)
+        growth = r.output * self.kv_bytes if long_context else 0  # reserved, as the gateway
+        record = gw.router.choose(
+            gw.version,
+            r.tenant_class,
+            r.prompt * self.kv_bytes,
+            long_context=long_context,
+            growth_bytes=growth,
+        )
         if record is None:
+            self._long_release(r, lease)
             if cfg.r6:
                 wait = capacity_retry_after_ms(self.adm, gw.rng) / 1000
             else:
@@ -316,10 +378,13 @@ class FleetSim:
         if not rep.alive:
             # Connection refused until the scrape marks it unhealthy: the client retries
             # at once, as client libraries do on a transport error.
+            self._long_release(r, lease)
             self._tick["errors"] += 1
             self._client_retry(r, now, status="error")
             return
-        gw.router.on_dispatch(record, f"{r.rid}.{r.attempt}", est_bytes)
+        gw.router.on_dispatch(
+            record, lease, est_bytes, long_context=long_context, growth_bytes=growth
+        )
         r.gateway = g
         r.sent = now
         r.status = "pending"
@@ -338,6 +403,39 @@ class FleetSim:
         if not rep.stepping:
             rep.stepping = True
             self.push(now, _STEP, idx)
+
+    def _long_admit(self, r: SimRequest, lease: str, now: float) -> bool:
+        """The admit script's long-context budget (long_context.long_context_admits)."""
+        window = self.adm.long_context_demand_window_s
+        for who, at in list(self.long_waiting.items()):
+            if at < now - window:
+                del self.long_waiting[who]
+        usage: dict[str, int] = {}
+        prefilling = 0
+        for who, b, pend in self.long_leases.values():
+            usage[who] = usage.get(who, 0) + b
+            prefilling += pend > now
+        shared = self.cfg.replicas
+        budget, slots = long_context_budget(self.version_rec, shared, "standard", self.adm)
+        need = (r.prompt + r.output) * self.kv_bytes  # prompt and output growth, as the gateway
+        ok = long_context_admits(tenant=r.tenant, need=need, budget=budget, slots=slots,
+                                 usage=usage, prefilling=prefilling,
+                                 waiting=self.long_waiting.keys(),
+                                 served=self.long_served)  # fmt: skip
+        if ok:
+            self.long_served[r.tenant] = now
+            pend = now + prefill_seconds(r.prompt, self.version_rec)
+            self.long_leases[lease] = (r.tenant, need, pend)
+            self.long_waiting.pop(r.tenant, None)
+            r.long_lease = True
+        else:
+            self.long_waiting[r.tenant] = now
+        return ok
+
+    def _long_release(self, r: SimRequest, lease: str) -> None:
+        if r.long_lease:
+            self.long_leases.pop(lease, None)
+            r.long_lease = False
 
     # -- replicas ------------------------------------------------------------------------
 
@@ -362,6 +460,7 @@ class FleetSim:
             r = req.handle
             gw = self.gws[r.gateway]
             gw.router.on_finish(gw.records[idx], req.request_id)
+            self._long_release(r, req.request_id)
             r.finished = end
             r.status = "ok"
             r.final = True
@@ -370,11 +469,9 @@ class FleetSim:
 
     def _scrape(self, g: int, now: float) -> None:
         gw = self.gws[g]
-        for rep, st in zip(self.replicas, gw._states, strict=True):
+        for rep, st in zip(self.replicas, gw.states, strict=True):
             if rep.alive:
-                st.kv_usage = rep.occupancy
-                st.running, st.waiting = rep.engine.num_running, rep.engine.num_waiting
-                st.scraped_at, st.failures, st.healthy = now, 0, True
+                scrape(st, rep.engine, now)
             else:
                 st.failures += 1
                 if st.failures >= self.cfg.scrape_failures_unhealthy:
@@ -389,6 +486,7 @@ class FleetSim:
                 # settles it); the client retries at once.
                 gw = self.gws[r.gateway]
                 gw.router.on_finish(gw.records[rep.idx], f"{r.rid}.{r.attempt}")
+                self._long_release(r, f"{r.rid}.{r.attempt}")
                 self._tick["errors"] += 1
                 self._client_retry(r, now, status="error")
 
@@ -453,6 +551,7 @@ class FleetSim:
             wall_s=time.perf_counter() - started,
             attempts=self.attempts,
             gave_up=self.gave_up,
+            long_refused=self.long_refused,
         )
 
 
@@ -496,6 +595,17 @@ class Scale:
     cliff_duration_s: float = 240.0
     cliff_warmup_s: float = 80.0
 
+    def config(self, seed: int) -> FleetConfig:
+        """The fleet at this scale: every experiment varies it."""
+        return FleetConfig(
+            replicas=self.replicas,
+            rate_rps=self.rate_rps,
+            duration_s=self.duration_s,
+            warmup_s=self.warmup_s,
+            gateways=self.gateways,
+            seed=seed,
+        )
+
     @classmethod
     def quick(cls) -> Scale:
         return cls(
@@ -511,28 +621,87 @@ class Scale:
 
 
 def experiments(scale: Scale, seed: int = 1) -> dict[str, FleetConfig]:
-    base = FleetConfig(
-        replicas=scale.replicas,
-        rate_rps=scale.rate_rps,
-        duration_s=scale.duration_s,
-        warmup_s=scale.warmup_s,
-        gateways=scale.gateways,
-        seed=seed,
-    )
+    base = scale.config(seed)
     return {
         "design-literal": replace(base, literal=True),
         "p2c+inflight": base,
         "emptiest (stale)": replace(base, strategy="emptiest", optimistic=False),
         "round robin": replace(base, strategy="round_robin", optimistic=False),
-        "kill, no R6": replace(base, kill_at_s=scale.kill_at_s, r6=False),
-        "kill, R6": replace(base, kill_at_s=scale.kill_at_s, r6=True),
+        "kill, no retry rules": replace(base, kill_at_s=scale.kill_at_s, r6=False),
+        "kill, retry rules": replace(base, kill_at_s=scale.kill_at_s, r6=True),
         # The same failure with headroom: 90 % of the rate, no free tier (whose 0.60 ceiling
         # sheds by design), so that any 503 after the kill is the kill's.
-        "kill at 90 % load, R6": replace(
+        "kill at 90 % load, retry rules": replace(
             base, rate_rps=0.9 * scale.rate_rps, class_mix=(0.1, 0.9, 0.0),
             kill_at_s=scale.kill_at_s, r6=True,
         ),
     }  # fmt: skip
+
+
+def isolation_experiments(scale: Scale, seed: int, heavy: int) -> dict[str, FleetConfig]:
+    """Long-context isolation against the routing before it, in one run: the heavy-tailed
+    shape alone, then with ``heavy`` standard tenants flooding 128k prompts on top."""
+    base = scale.config(seed)
+    return {
+        "before (P2C + in-flight)": base,
+        "isolation": replace(base, isolation=True),
+        f"before, {heavy} heavy tenants": replace(base, heavy_tenants=heavy),
+        f"isolation, {heavy} heavy tenants": replace(base, isolation=True, heavy_tenants=heavy),
+    }
+
+
+def write_isolation_report(
+    results: dict[str, SimResult], scale: Scale, command: str, out_dir: Path = RESULTS
+) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    any_cfg = next(iter(results.values())).cfg
+    rows = [
+        "# Fleet simulation — long-context isolation against the routing before it",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"{scale.replicas} emulator `Engine`s ({PROFILE}, realistic prefill) in virtual time, "
+        f"{scale.rate_rps:g} req/s Poisson of the heavy-tailed shape (docs/design.md §2), "
+        f"classes 10 % reserved / 80 % standard / 10 % free, {scale.gateways} gateways, "
+        f"scrapes every 250 ms, {scale.duration_s:g} model-s per run, statistics after "
+        f"{scale.warmup_s:g} s. "
+        f"Heavy tenants: standard tenants sending 128,000-token prompts at "
+        f"{any_cfg.heavy_rps} req/s each on top. 'isolation' = the long-context budget "
+        "(max-min fair), the ceilings counting each request's own prompt KV, long contexts "
+        "packed onto the designated replicas and short traffic off them; 'before' = P2C + "
+        "optimistic in-flight as it was. Every arm of a run replays the same arrivals.",
+        "",
+        "| run | attainment (non-heavy) | TTFT p95 / p99 ms | TPOT p95 ms | mean of fullest "
+        "replica | p99 of fullest | 503 / attempts | heavy served (completed per tenant) | "
+        "long-context 503s | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, res in results.items():
+        lo = res.cfg.warmup_s
+        meas = [r for r in res.measured() if not r.heavy]
+        win = _series_window(res, lo)
+        occ_max = np.asarray(res.series.occ_max)[win]
+        rejected = int(np.sum(np.asarray(res.series.rejected)[win]))
+        arrivals = int(np.sum(np.asarray(res.series.arrivals)[win]))
+        served: dict[str, int] = {}
+        for r in res.requests:
+            if r.heavy:
+                served.setdefault(r.tenant, 0)
+                if r.status == "ok" and r.final and r.arrival >= lo:
+                    served[r.tenant] += 1
+        heavy_txt = ", ".join(f"{v}" for _, v in sorted(served.items())) or "—"
+        rows.append(
+            _md_row([
+                name, _pct(res.attainment(meas)),
+                f"{_ms(_p(res.ttfts(meas), 95))} / {_ms(_p(res.ttfts(meas), 99))}",
+                _ms(_p(res.tpots(meas), 95)), f"{float(np.mean(occ_max)):.3f}",
+                f"{_p(list(occ_max), 99):.3f}", f"{rejected} / {arrivals}", heavy_txt,
+                res.long_refused, f"{res.wall_s:.0f}",
+            ])
+        )  # fmt: skip
+    path = out_dir / "fleet_sim_isolation.md"
+    path.write_text("\n".join(rows) + "\n")
+    return path
 
 
 def _run_named(item: tuple[str, FleetConfig]) -> tuple[str, SimResult]:
@@ -567,20 +736,8 @@ def run_all(configs: dict[str, FleetConfig], workers: int = 2) -> dict[str, SimR
 # -- report -----------------------------------------------------------------------------
 
 
-def _ms(x: float) -> str:
-    return "—" if math.isnan(x) else f"{x * 1000:.0f}"
-
-
-def _pct(x: float, d: int = 1) -> str:
-    return "—" if math.isnan(x) else f"{x * 100:.{d}f} %"
-
-
 def _md_row(cells: list[object]) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
-
-
-def _p(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else math.nan
 
 
 def _after(res: SimResult, t: float) -> list[SimRequest]:
@@ -614,6 +771,11 @@ def cliff_sweep(profile: Profile, scale: Scale, seed: int = 1) -> list[CliffPoin
     ]
 
 
+# The routing herd's arms and the replica-failure arms, as ``experiments`` names them.
+HERD_ARMS = ("p2c+inflight", "emptiest (stale)", "round robin")
+STORM_ARMS = ("kill, no retry rules", "kill, retry rules", "kill at 90 % load, retry rules")
+
+
 def write_report(
     results: dict[str, SimResult],
     cliff: list[CliffPoint],
@@ -622,29 +784,60 @@ def write_report(
     command: str,
     out_dir: Path = RESULTS,
 ) -> Path:
-    from bench.plots import Series as Line
-    from bench.plots import lines
-
+    """fleet_sim.md (one function per section), its three plots and the headline lines."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    lines_md: list[str] = []
-    w = lines_md.append
+    md = [
+        *_intro_section(scale, command),
+        *_arithmetic_section(results, per_replica_rate, scale),
+        *_cliff_section(cliff),
+        *_herd_section(results, scale),
+        *_storm_section(results, scale),
+        "Plots: [cliff](fleet_sim_cliff.png) · [herd](fleet_sim_herd.png) · "
+        "[storm](fleet_sim_storm.png)\n",
+    ]
+    caption = f"{command} — model time"
+    _plot_cliff(cliff, out_dir, caption)
+    _plot_herd(results, out_dir, caption)
+    _plot_storm(results, out_dir, caption)
+    path = out_dir / "fleet_sim.md"
+    path.write_text("\n".join(md) + "\n")
+    (out_dir / "fleet_sim_headline.md").write_text(
+        "\n".join(highlights(results, per_replica_rate, scale, command)) + "\n"
+    )
+    return path
+
+
+def _intro_section(scale: Scale, command: str) -> list[str]:
+    """The title, the command and what was simulated."""
+    out: list[str] = []
+    w = out.append
     w("# Scenario 4 — fleet-scale simulation\n")
     w(f"Command: `{command}`  ")
     w(
         f"{scale.replicas} emulator `Engine`s ({PROFILE}) stepped in virtual time, "
-        f"{scale.rate_rps:g} req/s Poisson, §2 token shape (prompt p50 800 / p95 6,000, "
-        f"output p50 300 / p95 1,200), classes 10 % reserved / 80 % standard / 10 % free, "
-        f"{scale.gateways} gateways each with its own optimistic in-flight view, occupancy "
-        f"scraped every 250 ms. Routing and admission are `gateway.policy` itself. "
-        f"{scale.duration_s:g} model-s per run, statistics after {scale.warmup_s:g} s of "
+        f"{scale.rate_rps:g} req/s Poisson, the token shape of docs/design.md §2 (prompt p50 "
+        "800 / p95 6,000, output p50 300 / p95 1,200), classes 10 % reserved / 80 % standard "
+        f"/ 10 % free, {scale.gateways} gateways each with its own optimistic in-flight view, "
+        "occupancy scraped every 250 ms. Routing and admission are the `gateway.admission` policy "
+        f"modules themselves. {scale.duration_s:g} model-s per run, statistics after "
+        f"{scale.warmup_s:g} s of "
         "fill-up. All times are model time.\n"
     )
-    # §2 arithmetic.
+    return out
+
+
+def _arithmetic_section(
+    results: dict[str, SimResult], per_replica_rate: float, scale: Scale
+) -> list[str]:
+    """Fleet arithmetic (docs/design.md §2) against both token shapes, and the sizing."""
+    out: list[str] = []
+    w = out.append
+    # Fleet arithmetic.
     lit, heavy = results["design-literal"], results["p2c+inflight"]
     meas_s = scale.duration_s - scale.warmup_s
-    w("## §2 fleet arithmetic\n")
+    w("## Fleet arithmetic (docs/design.md §2)\n")
     w(
-        "| | design §2 | simulated: every request 800 in / 300 out | simulated: §2 heavy-tailed shape |"  # noqa: E501
+        "| | docs/design.md §2 | simulated: every request 800 in / 300 out | simulated: heavy-tailed shape |"  # noqa: E501
     )
     w("|---|---|---|---|")
     mean_out = float(np.mean([r.output for r in heavy.requests]))
@@ -665,7 +858,10 @@ def write_report(
             ),
         ),
         ("TTFT p95 (ms)", lambda r: _ms(_p(r.ttfts(), 95))),
-        ("TPOT p50 / p95 (ms)", lambda r: f"{_ms(_p(r.tpots(), 50))} / {_ms(_p(r.tpots(), 95))}"),
+        (
+            "TPOT p50 / p95 (ms)",
+            lambda r: f"{_ms(_p(r.tpots(), 50))} / {_ms(_p(r.tpots(), 95))}",
+        ),
         ("SLO attainment (TTFT < 1 s and TPOT < 50 ms)", lambda r: _pct(r.attainment())),
         (
             "requests refused 503 (free tier above 0.60 first)",
@@ -687,20 +883,28 @@ def write_report(
         f"up to **{per_replica_rate:.2f} req/s** of the heavy-tailed shape (bisection on a "
         f"single Engine, {scale.cliff_duration_s:g} model-s per probe), so {scale.rate_rps:g} "
         f"req/s needs **{need} replicas** ({need * 4} GPUs) — "
-        f"{need / 44:.1f}× the design's 44, before the R6 headroom of 15 %.\n"
+        f"{need / 44:.1f}× the design's 44, before the 15 % failure headroom (docs/design.md R6).\n"
     )
     mean_prompt = float(np.mean([r.prompt for r in heavy.requests]))
     w(
         f"Reading: with every request at the median, {scale.replicas} replicas carry "
         f"{scale.rate_rps:g} req/s at {lit.tokens_out.mean() / meas_s:,.0f} out tok/s each with "
-        f"TPOT p95 {_ms(_p(lit.tpots(), 95))} ms — §2's arithmetic, reproduced. With the "
+        f"TPOT p95 {_ms(_p(lit.tpots(), 95))} ms — the design's arithmetic, reproduced. With the "
         f"heavy tail the mean output is {mean_out:.0f} tokens, not 300, and the mean prompt "
         f"{mean_prompt:,.0f}, not 800 (prefill demand {scale.rate_rps * mean_prompt:,.0f} tok/s): "
-        f"the same fleet runs at TPOT p95 {_ms(_p(heavy.tpots(), 95))} ms. This is §2's own "
-        "warning that a mean-based (here: median-based) capacity model is wrong, quantified.\n"
+        f"the same fleet runs at TPOT p95 {_ms(_p(heavy.tpots(), 95))} ms. This is the "
+        "design's own warning that a mean-based (here: median-based) capacity model is "
+        "wrong, quantified.\n"
     )
-    # §7 cliff.
-    w("## §7 — the occupancy cliff (one replica, no admission control)\n")
+    return out
+
+
+def _cliff_section(cliff: list[CliffPoint]) -> list[str]:
+    """The occupancy cliff (docs/design.md §7): one replica against offered load."""
+    out: list[str] = []
+    w = out.append
+    # The occupancy cliff.
+    w("## The occupancy cliff: one replica, no admission control (docs/design.md §7)\n")
     w(
         "| offered req/s | mean KV occupancy | TPOT p50 (ms) | TPOT p95 (ms) | TTFT p95 (ms) | preemptions/min | out tok/s |"  # noqa: E501
     )
@@ -711,14 +915,20 @@ def write_report(
             f"{_ms(c.ttft_p95)} | {c.preemptions_per_min:.1f} | {c.out_tokens_per_s:,.0f} |"
         )
     w("")
-    # C5 herd.
-    w("## C5 / R5 — routing herd on 250 ms stale occupancy\n")
+    return out
+
+
+def _herd_section(results: dict[str, SimResult], scale: Scale) -> list[str]:
+    """The routing herd (docs/design.md C5, R5): the arms on 250 ms stale occupancy."""
+    out: list[str] = []
+    w = out.append
+    # The routing herd.
+    w("## Routing herd on 250 ms stale occupancy (docs/design.md C5, R5)\n")
     w(
         "| routing | mean occupancy | mean of per-second max | max − mean p95 | TTFT p99 (ms) | TPOT p95 (ms) | 503 share | preemptions |"  # noqa: E501
     )
     w("|---|---|---|---|---|---|---|---|")
-    herd_names = ["p2c+inflight", "emptiest (stale)", "round robin"]
-    for name in herd_names:
+    for name in HERD_ARMS:
         r = results[name]
         m = _series_window(r, scale.warmup_s)
         mx = np.asarray(r.series.occ_max)[m]
@@ -727,26 +937,33 @@ def write_report(
         rej = sum(1 for q in meas if q.status == "rejected") / max(1, len(meas))
         w(
             f"| {name} | {_pct(float(mean.mean()))} | {_pct(float(mx.mean()))} | "
-            f"{_pct(float(np.percentile(mx - mean, 95)))} | {_ms(_p(r.ttfts(), 99))} | "
+            f"{_pct(_p(mx - mean, 95))} | {_ms(_p(r.ttfts(), 99))} | "
             f"{_ms(_p(r.tpots(), 95))} | {_pct(rej)} | {r.preemptions} |"
         )
     w("")
-    # C6 storm.
+    return out
+
+
+def _storm_section(results: dict[str, SimResult], scale: Scale) -> list[str]:
+    """One replica dies (docs/design.md C6, R6): the arms' retries, 503s and recovery."""
+    out: list[str] = []
+    w = out.append
+    # The retry storm.
     k = scale.kill_at_s
-    w(f"## C6 / R6 — one replica dies at t = {k:g} s\n")
+    w(f"## One replica dies at t = {k:g} s (docs/design.md C6, R6)\n")
     w(
-        "Its streams end in an error and their clients retry at once. Without R6 every 503 "
-        "says `Retry-After: 5` and every client honours it exactly; with R6 the 503 says "
-        "5 s + uniform[0, 5 s] and the retry budget sheds non-reserved retries with 30–60 s "
-        "once retries pass 20 % of admitted traffic. Clients give up after 4 attempts. The "
+        "Its streams end in an error and their clients retry at once. Without the retry rules "
+        "every 503 says `Retry-After: 5` and every client honours it exactly; with them the "
+        "503 says 5 s + uniform[0, 5 s] and the retry budget sheds non-reserved retries with "
+        "30–60 s once retries pass 20 % of admitted traffic. Clients give up after 4 attempts. The "
         f"third arm repeats the failure at {0.9 * scale.rate_rps:.0f} req/s without the free "
-        "tier, below the 0.85 ceiling (R6's change 3: keep headroom).\n"
+        "tier, below the 0.85 ceiling (keep headroom for a failure).\n"
     )
     win = min(20.0, k - scale.warmup_s)
     w(
         f"Rates are per second over the {win:g} s before the kill and the {win:g} s after it "
         "(same run, same seeds); the first row is the same fleet and seeds with no failure "
-        "(the C5 P2C run), i.e. what those windows hold anyway.\n"
+        "(the herd section's P2C run), i.e. what those windows hold anyway.\n"
     )
     w(
         _md_row([
@@ -756,9 +973,8 @@ def write_report(
         ])
     )  # fmt: skip
     w("|---" * 11 + "|")
-    storm_names = ("kill, no R6", "kill, R6", "kill at 90 % load, R6")
     # The same seeds without the failure: what the fleet does in those windows anyway.
-    for name in ("p2c+inflight", *storm_names):
+    for name in ("p2c+inflight", *STORM_ARMS):
         r = results[name]
         t = np.asarray(r.series.t)
         before, after = (t > k - win) & (t <= k), (t > k) & (t <= k + win)
@@ -773,7 +989,7 @@ def write_report(
         gave_up = sum(1 for q in reqs if q.status != "ok")
         ttft = [q.first_token - q.sent for q in reqs if q.first_token is not None]
         peak_occ = float(np.nanmax(np.asarray(r.series.occ_max)[after], initial=0))
-        label = "no failure (reference, R6)" if name == "p2c+inflight" else name
+        label = "no failure (reference, retry rules)" if name == "p2c+inflight" else name
         w(
             _md_row([
                 label, errors,
@@ -786,11 +1002,14 @@ def write_report(
             ])
         )  # fmt: skip
     w("")
-    w(
-        "Plots: [cliff](fleet_sim_cliff.png) · [herd](fleet_sim_herd.png) · "
-        "[storm](fleet_sim_storm.png)\n"
-    )
-    caption = f"{command} — model time"
+    return out
+
+
+def _plot_cliff(cliff: list[CliffPoint], out_dir: Path, caption: str) -> None:
+    """fleet_sim_cliff.png: the occupancy cliff against mean occupancy."""
+    from bench.plots import Series as Line
+    from bench.plots import lines
+
     lines(
         [
             (
@@ -839,8 +1058,15 @@ def write_report(
         logy=[False, False, True],
         hlines=[[TPOT_SLO_S * 1000], [], [TTFT_SLO_S]],
     )
+
+
+def _plot_herd(results: dict[str, SimResult], out_dir: Path, caption: str) -> None:
+    """fleet_sim_herd.png: fullest replica and fleet mean per herd arm."""
+    from bench.plots import Series as Line
+    from bench.plots import lines
+
     herd_panels = []
-    for name in herd_names:
+    for name in HERD_ARMS:
         r = results[name]
         herd_panels.append(
             (
@@ -866,10 +1092,17 @@ def write_report(
         out_dir / "fleet_sim_herd.png",
         caption,
         xlabel="model s",
-        hlines=[[85]] * len(herd_names),
+        hlines=[[85]] * len(HERD_ARMS),
     )
+
+
+def _plot_storm(results: dict[str, SimResult], out_dir: Path, caption: str) -> None:
+    """fleet_sim_storm.png: offered load, retries and 503s per failure arm."""
+    from bench.plots import Series as Line
+    from bench.plots import lines
+
     storm_panels = []
-    for name in storm_names:
+    for name in STORM_ARMS:
         r = results[name]
         storm_panels.append(
             (
@@ -882,12 +1115,6 @@ def write_report(
             )
         )
     lines(storm_panels, out_dir / "fleet_sim_storm.png", caption, xlabel="model s")
-    path = out_dir / "fleet_sim.md"
-    path.write_text("\n".join(lines_md) + "\n")
-    (out_dir / "fleet_sim_headline.md").write_text(
-        "\n".join(highlights(results, per_replica_rate, scale, command)) + "\n"
-    )
-    return path
 
 
 def highlights(
@@ -920,21 +1147,24 @@ def highlights(
     return [
         f"Measured by `{command}` ({scale.replicas} emulator Engines, {scale.rate_rps:g} req/s, "
         "virtual time; routing and admission are the gateway's own code).\n",
-        f"- §2: with every request at the median, {lit.tokens_out.mean() / meas_s:,.0f} out "
-        f"tok/s per replica at TPOT p95 {_ms(_p(lit.tpots(), 95))} ms (design: ≈2,259); with "
+        "- Fleet arithmetic: with every request at the median, "
+        f"{lit.tokens_out.mean() / meas_s:,.0f} out tok/s per replica at TPOT p95 "
+        f"{_ms(_p(lit.tpots(), 95))} ms (design: ≈2,259); with "
         f"the heavy-tailed shape the same fleet runs at TPOT p95 {_ms(_p(heavy.tpots(), 95))} "
         f"ms; one replica holds the SLO up to {per_replica_rate:.2f} req/s, so "
         f"{scale.rate_rps:g} req/s needs {need} replicas (design: 44).",
-        f"- C5: the fullest replica averages {_pct(emp_max)} under pick-emptiest on 250 ms "
-        f"stale data vs {_pct(p2c_max)} under P2C + optimistic in-flight; TTFT p99 "
+        f"- Routing herd: the fullest replica averages {_pct(emp_max)} under pick-emptiest on "
+        f"250 ms stale data vs {_pct(p2c_max)} under P2C + optimistic in-flight; TTFT p99 "
         f"{_ms(emp_ttft)} vs {_ms(p2c_ttft)} ms; preemptions "
         f"{results['emptiest (stale)'].preemptions} vs {heavy.preemptions}.",
-        f"- C6: one replica dies at t = {k:g} s; over the next {win:g} s the failure adds "
-        f"{excess('kill, no R6', 'rejected'):.0f} 503/s and {excess('kill, no R6', 'retries'):.0f}"
-        f" retries/s without R6, {excess('kill, R6', 'rejected'):.0f} 503/s and "
-        f"{excess('kill, R6', 'retries'):.0f} retries/s with R6 (each against the same seeds "
-        f"without the failure); at {0.9 * scale.rate_rps:.0f} req/s without the free tier the "
-        f"same failure leaves {after_rate('kill at 90 % load, R6', 'rejected'):.0f} 503/s.",
+        f"- Replica failure: one replica dies at t = {k:g} s; over the next {win:g} s the "
+        f"failure adds {excess('kill, no retry rules', 'rejected'):.0f} 503/s and "
+        f"{excess('kill, no retry rules', 'retries'):.0f} retries/s without the retry rules, "
+        f"{excess('kill, retry rules', 'rejected'):.0f} 503/s and "
+        f"{excess('kill, retry rules', 'retries'):.0f} retries/s with them (each against the "
+        f"same seeds without the failure); at {0.9 * scale.rate_rps:.0f} req/s without the free "
+        "tier the same failure leaves "
+        f"{after_rate('kill at 90 % load, retry rules', 'rejected'):.0f} 503/s.",
     ]
 
 
@@ -946,8 +1176,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--isolation",
+        action="store_true",
+        help="only the long-context isolation comparison (fleet_sim_isolation.md)",
+    )
+    ap.add_argument("--replicas", type=int, default=None, help="fleet size (isolation runs)")
+    ap.add_argument("--heavy-tenants", type=int, default=4)
+    ap.add_argument("--duration", type=float, default=None, help="model seconds per run")
     args = ap.parse_args(argv)
     scale = Scale.quick() if args.quick else Scale()
+    if args.isolation:
+        if args.replicas:
+            scale = replace(scale, replicas=args.replicas)
+        if args.duration:
+            scale = replace(scale, duration_s=args.duration, warmup_s=args.duration * 0.4)
+        command = "python -m bench.fleet_sim " + " ".join(
+            argv if argv is not None else sys.argv[1:]
+        )
+        res = run_all(
+            isolation_experiments(scale, args.seed, args.heavy_tenants), workers=args.workers
+        )
+        path = write_isolation_report(res, scale, command, args.out)
+        print(f"[fleet_sim] wrote {path}", flush=True)
+        return 0
     command = (
         "python -m bench.fleet_sim"
         + (" --quick" if args.quick else "")

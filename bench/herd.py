@@ -1,12 +1,13 @@
-"""Routing herd (C5 / R5): "pick the emptiest" on stale occupancy vs power of two choices
-with optimistic in-flight KV, vs round robin.
+"""Routing herd (docs/design.md C5, R5): "pick the emptiest" on stale occupancy vs power of
+two choices with optimistic in-flight KV, vs round robin.
 
-Replicas are the emulator's own ``emulator.engine.Engine`` (70B TP4 profile: paged KV,
-chunked prefill, preemption) stepped in virtual time; the router is the gateway's own
-``gateway.router.Router`` over ``gateway.policy`` (imported, not copied), fed the way the
-gateway's scraper feeds it: every 250 ms each replica's ``kv_cache_usage_perc``, and
-nothing in between. Every arm replays the same seeded arrivals (Poisson, §2 prompt
-shape, the engine's seeded output lengths), all requests standard class (ceiling 0.85).
+Replicas are the emulator's own ``emulator.engine.Engine`` (70B TP4 profile: paged KV, chunked
+prefill, preemption) stepped in virtual time; the router is the gateway's own
+``gateway.admission.router.Router`` over ``gateway.admission`` policy modules (imported, not
+copied), fed the way the gateway's scraper feeds it: every 250 ms each replica's
+``kv_cache_usage_perc``, and nothing in between. Every arm replays the same seeded arrivals
+(Poisson, the prompt shape of docs/design.md §2, the engine's seeded output lengths), all requests
+standard class (ceiling 0.85).
 
 ``python -m bench.herd`` writes bench/results/herd.md and herd.png (well under 2 minutes).
 """
@@ -26,13 +27,21 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.workload import DESIGN_PROMPT  # noqa: E402
-from emulator.engine import Engine, EngineConfig, Request  # noqa: E402
+from bench.noisy_neighbour import threshold_prefill_rate  # noqa: E402
+from bench.sim import SimRegistry, VirtualFleet, feed, replica_records, sim_version  # noqa: E402
+from bench.stats import percentile as pct  # noqa: E402
+from bench.workload import (
+    DESIGN_PROMPT,  # noqa: E402
+    poisson_arrivals,  # noqa: E402
+)
+from emulator.engine import Engine, Request  # noqa: E402
 from emulator.profiles import get_profile  # noqa: E402
-from gateway import schema  # noqa: E402
-from gateway.policy import AdmissionConfig, Strategy  # noqa: E402
-from gateway.replicas import ReplicaState  # noqa: E402
-from gateway.router import Router  # noqa: E402
+from emulator.replica_flags import platform_engine_config  # noqa: E402
+from gateway.admission.config import AdmissionConfig, Strategy  # noqa: E402
+from gateway.admission.estimates import long_context_threshold
+from gateway.admission.prefix import query_from_tokens  # noqa: E402
+from gateway.admission.replicas import ReplicaState  # noqa: E402
+from gateway.admission.router import Router  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 VERSION = "llama-70b-sim"
@@ -48,6 +57,9 @@ class HerdConfig:
     max_tokens: int = 4096
     seed: int = 7
     profile: str = "llama-70b-tp4-h100"
+    # Another realisation of the routing's own randomness on the same arrivals: the router's
+    # rng seed and the tenants' cache salts (hence the placement keys) differ with it.
+    draw: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +67,22 @@ class Arm:
     label: str
     strategy: Strategy
     optimistic: bool
+    # gateway/admission/placement.py's long-context rules: a request's own prompt KV against the
+    # ceiling, long contexts packed onto the designated replicas, short ones off them.
+    # The other arms route as before those rules (the comparison in the same run).
+    isolation: bool = False
+    # cache-aware only: a prompt nobody holds goes by its placement key's rendezvous pair
+    # (the gateway's default without KV events) or by P2C's own draw (with KV events)
+    rendezvous: bool = True
+
+    def admission(self) -> AdmissionConfig:
+        return AdmissionConfig(
+            strategy=self.strategy,
+            optimistic_inflight=self.optimistic,
+            count_request_kv=self.isolation,
+            context_placement=self.isolation,
+            affinity_rendezvous=self.rendezvous,
+        )
 
 
 ARMS = (
@@ -62,6 +90,22 @@ ARMS = (
     Arm("pick emptiest (stale 250 ms)", "emptiest", False),
     Arm("P2C (stale, no in-flight)", "p2c", False),
     Arm("P2C + optimistic in-flight", "p2c", True),
+    Arm("P2C + in-flight + long-context placement", "p2c", True, isolation=True),
+    # every prompt unique: no prefix to follow, so this is the no-match placement under herd
+    # conditions: the less loaded of the placement key's two rendezvous choices (gateway
+    # processes blind to each other: the gateway's default without KV events) ...
+    Arm("cache-aware + optimistic in-flight", "cache_aware", True),
+    # ... or, with KV events feeding the index, exactly P2C's draw
+    Arm("cache-aware (KV events) + optimistic in-flight", "cache_aware", True, rendezvous=False),
+    # the gateway's defaults (the long-context rules on) under cache-aware routing
+    Arm("cache-aware + in-flight + long-context placement", "cache_aware", True, isolation=True),
+    Arm(
+        "cache-aware (KV events) + in-flight + long-context placement",
+        "cache_aware",
+        True,
+        isolation=True,
+        rendezvous=False,
+    ),
 )
 
 
@@ -79,92 +123,70 @@ class ArmResult:
     wall_s: float = 0.0
 
 
-class SimRegistry:
-    """The two queries ``Router`` makes of ``gateway.replicas.ReplicaRegistry``, over
-    ``ReplicaState`` objects that the simulated scrape fills like the real scraper does."""
-
-    def __init__(self, states: list[ReplicaState]) -> None:
-        self._states = {s.replica_id: s for s in states}
-        self._list = states
-
-    def states(self, version: str) -> list[ReplicaState]:
-        return self._list if version == VERSION else []
-
-    def state(self, replica_id: str) -> ReplicaState | None:
-        return self._states.get(replica_id)
-
-
 def arrivals(cfg: HerdConfig) -> list[tuple[float, int]]:
     rng = np.random.default_rng(cfg.seed)
-    n = int(cfg.rate_rps * cfg.duration_s * 1.2) + 10
-    times = np.cumsum(rng.exponential(1.0 / cfg.rate_rps, size=n))
-    prompts = DESIGN_PROMPT.sample(rng, n)
-    return [(float(t), int(p)) for t, p in zip(times, prompts, strict=True) if t < cfg.duration_s]
+    times = poisson_arrivals(rng, cfg.rate_rps, 0.0, cfg.duration_s)
+    prompts = DESIGN_PROMPT.sample(rng, len(times))
+    return [(float(t), int(p)) for t, p in zip(times, prompts, strict=True)]
 
 
 def run_arm(cfg: HerdConfig, arm: Arm, work: list[tuple[float, int]]) -> ArmResult:
     started = time.perf_counter()
     profile = get_profile(cfg.profile)
     engines = [
-        Engine(profile, EngineConfig(enable_prefix_caching=False), seed=cfg.seed + i)
+        Engine(profile, platform_engine_config(enable_prefix_caching=False), seed=cfg.seed + i)
         for i in range(cfg.replicas)
     ]
-    records = [schema.ReplicaRecord(f"r{i}", f"sim://r{i}", "shared") for i in range(cfg.replicas)]
-    version = schema.ModelVersionRecord(
-        version=VERSION,
-        family="llama-70b",
-        context_length=profile.max_model_len,
-        kv_bytes_per_token=profile.kv_bytes_per_token,
-        tpot_target_ms=profile.tpot_target_ms,
+    records = replica_records(cfg.replicas)
+    version = sim_version(
+        VERSION,
+        "llama-70b",
+        profile,
+        records,
         kv_capacity_tokens=engines[0].kv_capacity_tokens,
-        replicas=tuple(records),
+        prefill_tokens_per_s=threshold_prefill_rate(profile, 1.0),
     )
+    threshold = long_context_threshold(version)
     states = [ReplicaState(record=r, version=VERSION) for r in records]
-    now = [0.0]
-    router = Router(
-        SimRegistry(states),
-        random.Random(cfg.seed),
-        config=AdmissionConfig(strategy=arm.strategy, optimistic_inflight=arm.optimistic),
-        clock=lambda: now[0],
-    )
     out = ArmResult(arm)
-    live: list[tuple[Request, float]] = []
 
-    def advance(t: float) -> None:
-        for i, e in enumerate(engines):
-            while e.has_work() and e.now < t:
-                res = e.step()
-                for req in res.emitted:
-                    if req.num_output == 1:  # as the gateway's relay reports first tokens
-                        router.on_first_token(records[i], req.request_id)
-                for req in res.finished:
-                    router.on_finish(records[i], req.request_id)
-            if not e.has_work():
-                e.advance_to(t)
-
-    def scrape(t: float) -> None:
-        occ = []
-        for e, s in zip(engines, states, strict=True):
-            s.kv_usage, s.running, s.waiting = e.kv_usage(), e.num_running, e.num_waiting
-            s.scraped_at, s.healthy = t, True
-            occ.append(s.kv_usage)
+    def scraped(t: float) -> None:
         if t >= cfg.warmup_s:
+            occ = [s.kv_usage for s in states]
             out.times.append(t)
             out.max_occ.append(max(occ))
             out.mean_occ.append(sum(occ) / len(occ))
 
-    next_scrape = 0.0
+    fleet = VirtualFleet(
+        engines, states, cfg.scrape_s, lambda i, res: feed((router,), records[i], res), scraped
+    )
+    router = Router(
+        SimRegistry(VERSION, states),
+        random.Random(cfg.seed + 7919 * cfg.draw),
+        config=arm.admission(),
+        clock=fleet.clock,
+    )
+    live: list[tuple[Request, float]] = []
     ids = 0
     for t, prompt_len in work:
-        while next_scrape <= t:
-            advance(next_scrape)
-            now[0] = next_scrape
-            scrape(next_scrape)
-            next_scrape += cfg.scrape_s
-        advance(t)
-        now[0] = t
+        fleet.run_to(t)
         kv_bytes = prompt_len * profile.kv_bytes_per_token
-        replica = router.choose(version, "standard", kv_bytes)
+        long_context = arm.isolation and prompt_len >= threshold
+        tokens = range((ids + 1) << 20, ((ids + 1) << 20) + prompt_len)
+        query = None
+        if arm.strategy == "cache_aware":
+            salt = f"{ids % 16:064x}" if cfg.draw == 0 else f"{cfg.draw}:{ids % 16}"
+            query = query_from_tokens(f"t{ids % 16}", tokens, salt, 16)
+        # as the gateway: a long context's expected output KV is reserved on its replica
+        growth = cfg.max_tokens * profile.kv_bytes_per_token if long_context else 0
+        replica = router.choose(
+            version,
+            "standard",
+            kv_bytes,
+            long_context=long_context,
+            prefix=query,
+            growth_bytes=growth,
+        )
         if replica is None:
             if t >= cfg.warmup_s:
                 out.rejected += 1
@@ -172,18 +194,14 @@ def run_arm(cfg: HerdConfig, arm: Arm, work: list[tuple[float, int]]) -> ArmResu
         idx = int(replica.replica_id[1:])
         ids += 1
         rid = f"q{ids}"
-        req = engines[idx].add_request(
-            rid,
-            range(ids << 20, (ids << 20) + prompt_len),
-            cfg.max_tokens,
-            priority=1,
-            arrival_time=t,
+        req = engines[idx].add_request(rid, tokens, cfg.max_tokens, priority=1, arrival_time=t)
+        router.on_dispatch(
+            replica, rid, kv_bytes, long_context=long_context, prefix=query, growth_bytes=growth
         )
-        router.on_dispatch(replica, rid, kv_bytes)
         if t >= cfg.warmup_s:
             out.admitted += 1
             live.append((req, t))
-    advance(cfg.duration_s)
+    fleet.finish(cfg.duration_s)
     end = cfg.duration_s
     for req, arrived in live:
         # a request still waiting for its first token at the end counts with what it
@@ -196,12 +214,10 @@ def run_arm(cfg: HerdConfig, arm: Arm, work: list[tuple[float, int]]) -> ArmResu
     return out
 
 
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
-
-
-def report(runs: list[tuple[HerdConfig, list[ArmResult]]], command: str) -> str:
+def report(runs: list[tuple[HerdConfig, list[ArmResult]]], command: str, name: str = "herd") -> str:
     cfg = runs[0][0]
+    seeds = sorted({c.seed for c, _ in runs})
+    draws = len({c.draw for c, _ in runs})
     lines = [
         "# Routing herd: stale occupancy, pick-emptiest vs P2C + optimistic in-flight",
         "",
@@ -212,9 +228,10 @@ def report(runs: list[tuple[HerdConfig, list[ArmResult]]], command: str) -> str:
         f"p50 300 / p95 1,200 (max_tokens {cfg.max_tokens}), all standard class (ceiling "
         f"0.85). Occupancy reaches the router only through a scrape every "
         f"{cfg.scrape_s * 1000:.0f} ms. {cfg.duration_s:g} s simulated per arm, the first "
-        f"{cfg.warmup_s:g} s (fill-up) excluded. Seed {cfg.seed}; every arm of a load replays "
-        "the same arrivals. Router: `gateway.router.Router` over `gateway.policy`, as in the "
-        "gateway.",
+        f"{cfg.warmup_s:g} s (fill-up) excluded. Seed {', '.join(map(str, seeds))}; every arm "
+        "of a load and seed replays "
+        "the same arrivals. Router: `gateway.admission.router.Router` over "
+        "the `gateway.admission` policy modules, as in the gateway.",
         "",
         "| load | routing | mean occupancy | mean of max replica | p99 of max replica | "
         "max/mean | TTFT p50 | TTFT p99 | TPOT p99 | preemptions | 503 (no eligible replica) |",
@@ -225,6 +242,10 @@ def report(runs: list[tuple[HerdConfig, list[ArmResult]]], command: str) -> str:
             f"{run_cfg.rate_rps:g} req/s ({run_cfg.rate_rps * run_cfg.scrape_s:.0f} "
             "decisions per scrape)"
         )
+        if len({c.seed for c, _ in runs}) > 1:
+            load = f"{run_cfg.rate_rps:g} req/s, seed {run_cfg.seed}"
+        if any(c.draw for c, _ in runs):
+            load += f", draw {run_cfg.draw}"
         for r in results:
             mean = float(np.mean(r.mean_occ))
             mx = float(np.mean(r.max_occ))
@@ -236,13 +257,52 @@ def report(runs: list[tuple[HerdConfig, list[ArmResult]]], command: str) -> str:
             )
     lines.append("")
     for run_cfg, results in runs:
-        base = next(r for r in results if r.arm.strategy == "emptiest")
-        best = next(r for r in results if r.arm.strategy == "p2c" and r.arm.optimistic)
-        lines.append(
-            f"- {run_cfg.rate_rps:g} req/s: TTFT p99 pick-emptiest / P2C + optimistic in-flight "
-            f"= {pct(base.ttft, 99) / pct(best.ttft, 99):.1f}x; fullest replica on average "
-            f"{np.mean(base.max_occ):.3f} vs {np.mean(best.max_occ):.3f}."
+        best = next(
+            (
+                r
+                for r in results
+                if r.arm.strategy == "p2c" and r.arm.optimistic and not r.arm.isolation
+            ),
+            None,
         )
+        if best is None:
+            continue
+        base = next((r for r in results if r.arm.strategy == "emptiest"), None)
+        if base is not None:
+            lines.append(
+                f"- {run_cfg.rate_rps:g} req/s: TTFT p99 pick-emptiest / P2C + optimistic "
+                f"in-flight = {pct(base.ttft, 99) / pct(best.ttft, 99):.1f}x; fullest replica "
+                f"on average {np.mean(base.max_occ):.3f} vs {np.mean(best.max_occ):.3f}."
+            )
+        iso = next((r for r in results if r.arm.isolation), None)
+        if iso is not None:
+            lines.append(
+                f"- {run_cfg.rate_rps:g} req/s: with the long-context placement rules, TTFT p99 "
+                f"{pct(iso.ttft, 99) * 1000:.0f} ms vs {pct(best.ttft, 99) * 1000:.0f} ms, "
+                f"fullest replica on average {np.mean(iso.max_occ):.3f} vs "
+                f"{np.mean(best.max_occ):.3f} (p99 {pct(iso.max_occ, 99):.3f} vs "
+                f"{pct(best.max_occ, 99):.3f}), 503 {iso.rejected} vs {best.rejected}."
+            )
+    if len(seeds) > 1:
+        lines += [
+            "",
+            f"Over seeds {', '.join(map(str, seeds))} ({draws} run(s) per seed, the same "
+            "arrivals for every arm and draw of a seed):",
+            "",
+            "| load | routing | 503 mean | TPOT p99 median | TPOT p99 max | TTFT p99 median |",
+            "|---|---|---|---|---|---|",
+        ]
+        by_arm: dict[tuple[float, str], list[ArmResult]] = {}
+        for run_cfg, results in runs:
+            for r in results:
+                by_arm.setdefault((run_cfg.rate_rps, r.arm.label), []).append(r)
+        for (rate, label), rs in by_arm.items():
+            tpots = [pct(r.tpot, 99) * 1000 for r in rs]
+            ttfts = [pct(r.ttft, 99) * 1000 for r in rs]
+            lines.append(
+                f"| {rate:g} req/s | {label} | {np.mean([r.rejected for r in rs]):.0f} | "
+                f"{np.median(tpots):.1f} ms | {max(tpots):.1f} ms | {np.median(ttfts):.0f} ms |"
+            )
     lines += [
         "",
         "Occupancy is each replica's true `kv_cache_usage_perc` sampled at every scrape; "
@@ -250,7 +310,7 @@ def report(runs: list[tuple[HerdConfig, list[ArmResult]]], command: str) -> str:
         "request's TTFT counts from its arrival at the router; a request still without a first "
         "token at the end counts with its wait so far. Ratios compare arms of one run.",
         "",
-        "![herd](herd.png)",
+        f"![herd]({name}.png)",
         "",
     ]
     return "\n".join(lines)
@@ -273,7 +333,9 @@ def plot(cfg: HerdConfig, results: list[ArmResult], path: Path, command: str) ->
         f"{cfg.scrape_s * 1000:.0f} ms",
         fontsize=10,
     )
-    colours = ["tab:gray", "tab:red", "tab:orange", "tab:green"]
+    colours = ["tab:gray", "tab:red", "tab:orange", "tab:green", "tab:blue"]
+    if len(results) == 2:
+        colours = ["tab:green", "tab:blue"]
     for r, c in zip(results, colours, strict=False):
         ax1.plot(
             r.times, smooth(r.max_occ), color=c, lw=1.0, label=f"{r.arm.label}: fullest replica"
@@ -312,8 +374,54 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=d.duration_s, help="simulated seconds")
     ap.add_argument("--warmup", type=float, default=d.warmup_s)
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument(
+        "--seeds",
+        default="",
+        help="comma-separated seeds: one run per rate and seed, one row each "
+        "(writes herd_seeds.md; the p99s of one seed are noisy)",
+    )
+    ap.add_argument(
+        "--arms",
+        default="",
+        help="comma-separated arm labels to run (default: all)",
+    )
+    ap.add_argument(
+        "--draws",
+        type=int,
+        default=1,
+        help="runs per seed with other router rng seeds and tenant salts (the routing's own "
+        "randomness; the summary is over every seed and draw)",
+    )
+    ap.add_argument(
+        "--first-draw",
+        type=int,
+        default=0,
+        help="number the draws from here (draw 0 is the plain run of a seed)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--isolation-only",
+        action="store_true",
+        help="only P2C + in-flight with and without the long-context placement rules "
+        "(writes herd_isolation.md)",
+    )
     args = ap.parse_args(argv)
+    arms = (
+        [a for a in ARMS if a.strategy == "p2c" and a.optimistic] if args.isolation_only else ARMS
+    )
+    if args.arms:
+        wanted = {x.strip() for x in args.arms.split(",") if x.strip()}
+        unknown = wanted - {a.label for a in ARMS}
+        if unknown:
+            ap.error(f"unknown arms {sorted(unknown)}; known: {[a.label for a in ARMS]}")
+        arms = [a for a in ARMS if a.label in wanted]
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()] or [args.seed]
+    except ValueError:
+        ap.error("--seeds takes integers, e.g. 7,8,9")
+    name = "herd_isolation" if args.isolation_only else "herd"
+    if len(seeds) > 1:
+        name = "herd_seeds" if args.draws == 1 and not args.first_draw else "herd_draws"
     try:
         rates = [float(x) for x in args.rates.split(",") if x.strip()]
     except ValueError:
@@ -326,18 +434,22 @@ def main(argv: list[str] | None = None) -> int:
         "python -m bench.herd " + " ".join(argv if argv is not None else sys.argv[1:])
     ).strip()
     runs = []
-    for rate in rates:
+    if args.draws < 1 or args.first_draw < 0:
+        ap.error("--draws must be at least 1 and --first-draw at least 0")
+    draws = range(args.first_draw, args.first_draw + args.draws)
+    for rate, seed, draw in ((r, s, d) for r in rates for s in seeds for d in draws):
         cfg = HerdConfig(
             replicas=args.replicas,
             rate_rps=rate,
             duration_s=args.duration,
             warmup_s=args.warmup,
-            seed=args.seed,
+            seed=seed,
+            draw=draw,
         )
         print(f"herd: {cfg}", flush=True)
         work = arrivals(cfg)
         results = []
-        for arm in ARMS:
+        for arm in arms:
             r = run_arm(cfg, arm, work)
             print(
                 f"  {arm.label:32s} max occ {np.mean(r.max_occ):.3f} mean "
@@ -348,9 +460,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
         runs.append((cfg, results))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "herd.md").write_text(report(runs, command))
-    plot(runs[0][0], runs[0][1], args.out / "herd.png", command)
-    print(f"wrote {args.out / 'herd.md'} and {args.out / 'herd.png'}")
+    (args.out / f"{name}.md").write_text(report(runs, command, name))
+    plot(runs[0][0], runs[0][1], args.out / f"{name}.png", command)
+    print(f"wrote {args.out / (name + '.md')} and {args.out / (name + '.png')}")
     return 0
 
 

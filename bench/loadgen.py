@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import orjson
@@ -60,8 +62,9 @@ class RawResult:
     cut_at: float | None = None  # when the deadline cut it off
 
 
-def _retry_after(headers: aiohttp.typedefs.LooseHeaders) -> float | None:
-    h = dict(headers)  # type: ignore[arg-type]
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    """Retry-After(-Ms) of a response (aiohttp's headers look names up case-insensitively)."""
+    h = headers
     raw_ms = h.get("retry-after-ms") or h.get("Retry-After-Ms")
     if raw_ms:
         with contextlib.suppress(ValueError):
@@ -71,6 +74,45 @@ def _retry_after(headers: aiohttp.typedefs.LooseHeaders) -> float | None:
         with contextlib.suppress(ValueError):
             return float(raw)
     return None
+
+
+def _report(on_done: Callable[[RawResult], None], res: RawResult, _task: object) -> None:
+    on_done(res)
+
+
+class SseStream:
+    """The chunks of an OpenAI-style SSE stream (``data: {json}`` lines up to ``data:
+    [DONE]``); ``done`` tells whether the sentinel came (the stream ended properly)."""
+
+    def __init__(self, lines: AsyncIterable[bytes]) -> None:
+        self._lines = lines
+        self.done = False
+
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        async for line in self._lines:
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                return
+            yield orjson.loads(payload)
+
+
+def stream_error(chunk: dict[str, Any]) -> str | None:
+    """The message of an in-stream error event (vLLM's and the gateway's), else None."""
+    if "error" not in chunk:
+        return None
+    return str(chunk["error"].get("message", chunk["error"]))
+
+
+def content_deltas(chunk: dict[str, Any]) -> list[str]:
+    """The non-empty content deltas of a chunk, one per choice that has one."""
+    return [
+        text
+        for choice in chunk.get("choices") or ()
+        if (text := (choice.get("delta") or {}).get("content"))
+    ]
 
 
 class LoadGenerator:
@@ -124,28 +166,20 @@ class LoadGenerator:
                 body = await resp.read()
                 res.error = body[:300].decode("utf-8", "replace")
                 return
-            async for line in resp.content:
-                if not line.startswith(b"data: "):
-                    continue
-                payload = line[6:].strip()
-                if payload == b"[DONE]":
-                    break
-                obj = orjson.loads(payload)
-                if "error" in obj:
-                    res.error = str(obj["error"].get("message", obj["error"]))[:300]
+            async for obj in SseStream(resp.content):
+                if (error := stream_error(obj)) is not None:
+                    res.error = error[:300]
                     continue
                 usage = obj.get("usage")
                 if usage:
                     res.completion_tokens = usage.get("completion_tokens")
                     res.prompt_tokens = usage.get("prompt_tokens")
-                for choice in obj.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    if delta.get("content"):
-                        now = loop.time()
-                        if res.t_first is None:
-                            res.t_first = now
-                        res.t_last = now
-                        res.chunks += 1
+                if deltas := content_deltas(obj):
+                    now = loop.time()
+                    if res.t_first is None:
+                        res.t_first = now
+                    res.t_last = now
+                    res.chunks += len(deltas)
 
     async def _guarded(
         self, session: aiohttp.ClientSession, spec: RequestSpec, res: RawResult
@@ -196,7 +230,7 @@ class LoadGenerator:
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                     if on_done:
-                        task.add_done_callback(lambda _t, r=res: on_done(r))
+                        task.add_done_callback(functools.partial(_report, on_done, res))
 
             dispatcher = asyncio.create_task(dispatch())
             with contextlib.suppress(TimeoutError):

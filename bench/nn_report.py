@@ -11,11 +11,18 @@ import numpy as np
 from bench.noisy_neighbour import ARM_TITLES, ArmResult, NNConfig, summarise
 from bench.plots import arms_timeseries
 from bench.stats import TPOT_SLO_S, TTFT_SLO_S, GroupStats, fmt_ms, fmt_pct, within
-from bench.workload import TenantSpec
+from bench.workload import NOISY_PROMPT_TOKENS, TenantSpec
 from emulator.profiles import Profile
 
 TOLERANCE = 0.10  # "within 10 % of its quiet-baseline p95"
-ARM_SHORT = {"quiet": "quiet", "a": "(a) unprotected", "b": "(b) rpm only", "c": "(c) Fairway"}
+ARM_SHORT = {
+    "quiet": "quiet",
+    "a": "(a) unprotected",
+    "b": "(b) rpm only",
+    "c": "(c) Fairway",
+    "fcfs": "(c) fcfs replicas",
+    "cache": "(c) cache-aware",
+}
 
 
 def _row(cells: Sequence[object]) -> str:
@@ -71,7 +78,7 @@ def _ratio(value: float, ref: float) -> str:
 def targets(
     results: dict[str, ArmResult], specs: Sequence[TenantSpec]
 ) -> tuple[list[str], dict[str, bool]]:
-    """The issue's targets for arm (c), each checked and stated with its numbers."""
+    """The targets for arm (c) (bench/README.md), each checked and stated with its numbers."""
     lines: list[str] = []
     verdicts: dict[str, bool] = {}
     if "c" not in results or "quiet" not in results:
@@ -115,6 +122,20 @@ def targets(
         verdicts["free goodput > 0"] = ok
         lines.append(f"- {_mark(ok)} free-tier goodput {free.goodput_rps:.2f} req/s "
                      f"({free.goodput_tps:,.0f} out tok/s)")  # fmt: skip
+    # The forgotten flag: the same gateway on fcfs replicas, class by class against (c).
+    if "fcfs" in results:
+        _, by_c = summarise(results["c"], specs)
+        _, by_f = summarise(results["fcfs"], specs)
+        parts = []
+        for cls in ("reserved", "standard", "best_effort"):
+            c, f = by_c.get(cls), by_f.get(cls)
+            if c is None or f is None:
+                continue
+            parts.append(
+                f"{cls} TTFT p95 {fmt_ms(f.ttft.p95)} ms (priority {fmt_ms(c.ttft.p95)}), "
+                f"attainment {fmt_pct(f.attainment, 2)} (priority {fmt_pct(c.attainment, 2)})"
+            )
+        lines.append("- arm (c) on fcfs replicas: " + "; ".join(parts))
     # (a) and (b) should show the degradation the design predicts.
     for arm in ("a", "b"):
         if arm not in results:
@@ -137,13 +158,14 @@ def targets(
     return lines, verdicts
 
 
-def prefill_shadow(res: ArmResult, specs: Sequence[TenantSpec], window_s: float = 6.0) -> str:
+def prefill_shadow(res: ArmResult, specs: Sequence[TenantSpec], window_s: float) -> str:
     """How much of the non-noisy TTFT tail falls in the shadow of an admitted 128k prefill.
 
-    A 128k-token prefill takes ~5 model seconds of a replica's chunked-prefill budget; a
-    request that lands on that replica meanwhile waits for it. Compare the share of slow
-    first tokens among requests sent within ``window_s`` after an admitted noisy request
-    with the share among all the others.
+    A 128k-token prefill takes many model seconds of a replica's chunked-prefill budget
+    (``window_s``: the profile's own prefill time of such a prompt); a request that lands on
+    that replica meanwhile waits for it. Compare the share of slow first tokens among
+    requests sent within ``window_s`` after an admitted noisy request with the share among
+    all the others.
     """
     noisy = {t.tenant_id for t in specs if t.noisy}
     admitted = sorted(o.sent_s for o in res.outcomes if o.tenant_id in noisy and o.status == 200)
@@ -198,48 +220,82 @@ def write_report(
     results: dict[str, ArmResult], cfg: NNConfig, specs: Sequence[TenantSpec], profile: Profile,
     out: Path, command: str,
 ) -> Path:  # fmt: skip
+    """noisy_neighbour.md (one function per section), its plot and the headline lines."""
     out.mkdir(parents=True, exist_ok=True)
-    md: list[str] = ["# Scenario 1 — noisy neighbour\n", f"Command: `{command}`\n"]
-    md.append(
+    # A lone 128k prefill on this (coarse) profile, in model seconds: the shadow window.
+    window_s = math.ceil(profile.prefill_seconds(math.ceil(NOISY_PROMPT_TOKENS / cfg.k)))
+    target_lines, _ = targets(results, specs)
+    shared_ids = [f"r{i}" for i in range(cfg.shared_replicas)]
+    md = [
+        *_intro(cfg, specs, profile, command),
+        "## Headline\n",
+        *headline(results, specs),
+        "\n## Targets (arm c against the quiet baseline)\n",
+        *target_lines,
+    ]
+    for arm, res in results.items():
+        md += _arm_section(arm, res, specs, shared_ids, window_s)
+    _plot(results, specs, out, command)
+    md.append("\n![TTFT and KV occupancy over time per arm](noisy_neighbour.png)\n")
+    path = out / "noisy_neighbour.md"
+    path.write_text("\n".join(md) + "\n")
+    head = _headline_lines(results, cfg, specs, command, target_lines, window_s)
+    (out / "noisy_neighbour_headline.md").write_text("\n".join(head) + "\n")
+    return path
+
+
+def _intro(cfg: NNConfig, specs: Sequence[TenantSpec], profile: Profile, command: str) -> list[str]:
+    """The title, the command, the fleet and the tenants."""
+    return [
+        "# Scenario 1 — noisy neighbour\n",
+        f"Command: `{command}`\n",
         f"{cfg.shared_replicas} shared + {cfg.reserved_replicas} reserved-pool emulated 70B "
-        f"replicas (`{profile.name}`: the design's profile coarse-grained ×{cfg.k}, chunked "
+        f"replicas (`{profile.name}`: the realistic 70B profile coarse-grained ×{cfg.k}, chunked "
         f"prefill {cfg.chunk_tokens} tokens/step), speed ×{cfg.speed:g}, "
         f"{cfg.gateway_workers} gateway worker(s), real Redis. {cfg.duration_s:g} model-s "
         f"of Poisson arrivals per arm (seed {cfg.seed}), first {cfg.warmup_s:g} s not counted, "
         f"{cfg.drain_s:g} s to drain. Latencies in model time per real token. Tenants: "
         + ", ".join(f"`{t.tenant_id}` {t.plan} {t.rate_rps:g} req/s" for t in specs)
-        + ". The noisy tenant sends 128,000-token prompts.\n"
+        + ". The noisy tenant sends 128,000-token prompts.\n",
+    ]
+
+
+def _arm_section(
+    arm: str, res: ArmResult, specs: Sequence[TenantSpec], shared_ids: list[str], window_s: float
+) -> list[str]:
+    """One arm: its fleet figures, the prefill shadow, per class and per tenant tables."""
+    by_tenant, by_class = summarise(res, specs)
+    md = [f"\n## {ARM_TITLES[arm]}\n"]
+    md.append(
+        f"Preemptions {res.preemptions:.0f} · peak KV occupancy {fmt_pct(_peak_occupancy(res))}"
+        f" · mean shared-pool occupancy {fmt_pct(_mean_occupancy(res, shared_ids))}"
+        f" · replica clocks skipped {sum(t.clock_lag_s for t in res.traces.values()):.1f}"
+        " model-s behind the wall clock (CPU-bound)"
+        f" · {res.wall_s:.0f} s wall · {res.chunks_per_s:,.0f} SSE chunks/s read by the"
+        f" load generator · {res.cpu_cores:.2f} cores busy (replicas + gateway + load"
+        " generator)\n"
     )
-    md.append("## Headline\n")
-    md += headline(results, specs)
-    md.append("\n## Targets (arm c against the quiet baseline)\n")
-    lines, _ = targets(results, specs)
-    md += lines
-    shared_ids = [f"r{i}" for i in range(cfg.shared_replicas)]
-    for arm, res in results.items():
-        by_tenant, by_class = summarise(res, specs)
-        md.append(f"\n## {ARM_TITLES[arm]}\n")
-        md.append(
-            f"Preemptions {res.preemptions:.0f} · peak KV occupancy {fmt_pct(_peak_occupancy(res))}"
-            f" · mean shared-pool occupancy {fmt_pct(_mean_occupancy(res, shared_ids))}"
-            f" · {res.wall_s:.0f} s wall · {res.chunks_per_s:,.0f} SSE chunks/s read by the"
-            f" load generator · {res.cpu_cores:.2f} cores busy (replicas + gateway + load"
-            " generator)\n"
-        )
-        shadow = prefill_shadow(res, specs)
-        if shadow:
-            md.append(shadow + "\n")
-        md += _table(STATS_HEADER, [_stats_row(g) for g in by_class.values()])
-        errors: dict[str, int] = {}
-        for o in res.outcomes:
-            if o.error:
-                key = f"{o.status} {o.error[:90]}"
-                errors[key] = errors.get(key, 0) + 1
-        if errors:
-            top = sorted(errors.items(), key=lambda kv: -kv[1])[:5]
-            md.append("\nMost frequent failures: " + "; ".join(f"{n}× `{e}`" for e, n in top))
-        md.append("")
-        md += _table(STATS_HEADER, [_stats_row(g) for g in by_tenant.values()])
+    shadow = prefill_shadow(res, specs, window_s)
+    if shadow:
+        md.append(shadow + "\n")
+    md += _table(STATS_HEADER, [_stats_row(g) for g in by_class.values()])
+    errors: dict[str, int] = {}
+    for o in res.outcomes:
+        if o.error:
+            key = f"{o.status} {o.error[:90]}"
+            errors[key] = errors.get(key, 0) + 1
+    if errors:
+        top = sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+        md.append("\nMost frequent failures: " + "; ".join(f"{n}× `{e}`" for e, n in top))
+    md.append("")
+    md += _table(STATS_HEADER, [_stats_row(g) for g in by_tenant.values()])
+    return md
+
+
+def _plot(
+    results: dict[str, ArmResult], specs: Sequence[TenantSpec], out: Path, command: str
+) -> None:
+    """noisy_neighbour.png: TTFT and KV occupancy over time, one panel per arm."""
     group_of = {t.tenant_id: ("noisy" if t.noisy else t.admission_class) for t in specs}
     arms_timeseries(
         {ARM_SHORT[a]: (r.outcomes, {
@@ -247,20 +303,23 @@ def write_report(
         }) for a, r in results.items()},
         group_of, out / "noisy_neighbour.png", f"{command} — model time",
     )  # fmt: skip
-    md.append("\n![TTFT and KV occupancy over time per arm](noisy_neighbour.png)\n")
-    path = out / "noisy_neighbour.md"
-    path.write_text("\n".join(md) + "\n")
+
+
+def _headline_lines(
+    results: dict[str, ArmResult], cfg: NNConfig, specs: Sequence[TenantSpec], command: str,
+    target_lines: list[str], window_s: float,
+) -> list[str]:  # fmt: skip
+    """A few measured sentences for the results index."""
     head = [
         f"Measured by `{command}` in one run ({cfg.shared_replicas} + {cfg.reserved_replicas} "
         f"emulated 70B replicas, same seeded requests in every arm; latencies in model time "
         f"per real token; SLO = TTFT < 1 s and mean TPOT < 50 ms per request).\n",
         *headline(results, specs),
         "\nTargets for arm (c), checked against the quiet baseline:\n",
-        *lines,
+        *target_lines,
     ]
     if "c" in results:
-        shadow = prefill_shadow(results["c"], specs)
+        shadow = prefill_shadow(results["c"], specs, window_s)
         if shadow:
             head += ["", f"Arm (c) — {shadow}"]
-    (out / "noisy_neighbour_headline.md").write_text("\n".join(head) + "\n")
-    return path
+    return head

@@ -8,11 +8,15 @@ open-loop SSE load generator. Four arms replay the same seeded requests:
 - ``a``: no protection — clients straight to the replicas, round robin;
 - ``b``: a gateway with requests/min limits only (tokens/min and KV·seconds limits set out
   of reach, no class ceilings, no reserved pool) — what most gateways offer;
-- ``c``: Fairway with everything on.
+- ``c``: Fairway with everything on;
+- ``fcfs``: arm ``c`` on replicas started without ``--scheduling-policy priority`` (vLLM's
+  default ``fcfs``): an operator who forgot the flag. The gateway still sends each class as
+  the request's priority; the replicas ignore it.
 
-Scaling (argued in bench/README.md): the replica is the design's 70B profile with its token
+Scaling (argued in bench/README.md): the replica is the realistic 70B profile with its token
 *coarse-grained* by ``k`` — one emulated token stands for ``k`` real tokens: the KV bytes of a
-token ×k, the realised bandwidth and prefill rate ÷k, the context ÷k. Bytes of KV, the
+token ×k, the realised bandwidth ÷k, the matmul FLOPs per token ×k and the attention FLOPs
+per (token, context token) pair ×k², the context ÷k. Bytes of KV, the
 seconds a step takes, the KV a request holds and how long it holds it are all unchanged, so
 occupancy dynamics, the prefill:decode ratio, "a 128k prompt is 23 % of a replica" and
 per-token TPOT hold, while the SSE chunk rate the 2-core machine must carry drops k-fold.
@@ -52,18 +56,26 @@ from bench.workload import (
     Workload,
     build_workload,
 )
+from contracts import schema
 from emulator.profiles import LLAMA_70B_TP4_H100, Profile
-from gateway import schema
 
 RESULTS = Path(__file__).parent / "results"
 FAMILY = "llama-70b"
-ARMS = ("quiet", "a", "b", "c")
+ARMS = ("quiet", "a", "b", "c", "fcfs")
 ARM_TITLES = {
     "quiet": "quiet baseline (no noisy tenant, Fairway on)",
     "a": "(a) no protection: straight to replicas, round robin",
     "b": "(b) requests/min limits only",
     "c": "(c) Fairway, everything on",
+    "fcfs": "(c) on fcfs replicas (no --scheduling-policy priority)",
+    "c0": "(c0) Fairway without long-context isolation",
+    "cache": "(c) with cache-aware routing (GATEWAY_ADMISSION_STRATEGY=cache_aware)",
 }
+# "c0": Fairway before long-context isolation (no long-context budget, P2C placement blind
+# to long contexts, a request's own KV not counted against the ceiling) — the comparison
+# arm of the several-flooding-tenants runs (bench/nn_multi.py).
+# "cache": arm c with cache-aware routing (bench/prefix_routing.py compares it with c).
+EXTRA_ARMS = ("c0", "cache")
 
 
 # -- scaling ------------------------------------------------------------------------------
@@ -78,7 +90,10 @@ def coarse_profile(base: Profile, k: int, chunk_tokens: int) -> Profile:
         name=f"{base.name}-x{k}",
         kv_bytes_per_token=base.kv_bytes_per_token * k,
         bandwidth_efficiency=base.bandwidth_efficiency / k,
-        prefill_tokens_per_s=base.prefill_tokens_per_s / k,
+        # A chunk of n emulated tokens is n*k real ones at k times the context: matmul FLOPs
+        # grow k-fold per token, attention (tokens x context) k^2-fold.
+        flops_per_token=base.flops_per_token * k,
+        attn_flops_per_token_ctx=base.attn_flops_per_token_ctx * k * k,
         max_model_len=base.max_model_len // k,
         # Paging granularity stays 16 real tokens per block where k divides 16.
         block_size=max(1, base.block_size // k),
@@ -112,7 +127,7 @@ class PlanLimits:
 class NNConfig:
     k: int = 8
     speed: float = 3.0
-    chunk_tokens: int = 1024  # chunked-prefill budget per step, real tokens (§7: "say 512")
+    chunk_tokens: int = 1024  # chunked-prefill budget per step, real tokens (docs/design.md §7)
     # Replica setting, same in every arm: vLLM's --long-prefill-token-threshold, real tokens
     # per step like chunk_tokens (so the same number per emulated step); 0 = no cap. 655 is
     # 64 % of the step budget: the share vLLM's automatic threshold (4 % of max_model_len =
@@ -129,9 +144,10 @@ class NNConfig:
     standard_rps: float = 3.5  # each
     enterprise_rps: float = 2.0
     free_rps: float = 1.0
-    noisy_rps: float = 0.4
+    noisy_rps: float = 0.4  # each noisy tenant
+    noisy_tenants: int = 1  # standard tenants flooding 128k prompts at once, each in its limits
     # Plan limits follow one written rule (bench/README.md), fixed before any run: twice
-    # the p99 need of a tenant sending the plan's nominal traffic with the §2 shape
+    # the p99 need of a tenant sending the plan's nominal traffic with the docs/design.md §2 shape
     # (standard 3.5 req/s, enterprise 2, free 1; tokens/min and in-flight KV·seconds at the
     # 50 ms target TPOT), rounded; enterprise's reserved floor is that 2x p99 in-flight need.
     plans: dict[str, PlanLimits] = field(
@@ -169,7 +185,7 @@ class NNConfig:
 
 
 def tenants(cfg: NNConfig) -> list[TenantSpec]:
-    # Free keys have an 8k context (§4): prompt + output must fit it.
+    # Free keys have an 8k context (docs/design.md §4): prompt + output must fit it.
     free_prompt = LogNormal(DESIGN_PROMPT.mu, DESIGN_PROMPT.sigma, lo=16, hi=7_000)
     free_out = LogNormal(DESIGN_OUTPUT.mu, DESIGN_OUTPUT.sigma, lo=1, hi=1_024)
     out = [
@@ -180,10 +196,12 @@ def tenants(cfg: NNConfig) -> list[TenantSpec]:
     out.append(TenantSpec("free", "Free", "free", "best_effort", cfg.free_rps,
                           prompt=free_prompt, output=free_out))  # fmt: skip
     # The 128k prompt plus its output must fit the 131,072-token context.
-    out.append(TenantSpec("noisy", "Noisy (standard)", "standard", "standard", cfg.noisy_rps,
-                          prompt=Fixed(NOISY_PROMPT_TOKENS),
-                          output=LogNormal(DESIGN_OUTPUT.mu, DESIGN_OUTPUT.sigma, 1, 3_000),
-                          noisy=True))  # fmt: skip
+    for i in range(cfg.noisy_tenants):
+        tid = "noisy" if cfg.noisy_tenants == 1 else f"noisy-{i + 1}"
+        out.append(TenantSpec(tid, f"Noisy {i + 1} (standard)", "standard", "standard",
+                              cfg.noisy_rps, prompt=Fixed(NOISY_PROMPT_TOKENS),
+                              output=LogNormal(DESIGN_OUTPUT.mu, DESIGN_OUTPUT.sigma, 1, 3_000),
+                              noisy=True))  # fmt: skip
     return out
 
 
@@ -221,16 +239,46 @@ def catalog(cfg: NNConfig, profile: Profile, replicas: Sequence[cluster.Replica]
         schema.ReplicaRecord(r.replica_id, r.base_url, "shared" if arm == "b" else r.pool)
         for r in replicas
     )
+    rate = threshold_prefill_rate(profile, TTFT_TARGET_S)
     mv = schema.ModelVersionRecord(
         version=version, family=FAMILY, context_length=profile.max_model_len,
         kv_bytes_per_token=profile.kv_bytes_per_token, tpot_target_ms=profile.tpot_target_ms,
         kv_capacity_tokens=profile.kv_capacity_tokens, replicas=recs,
+        # what the control plane pushes from the replica profile; in wall time, as the
+        # gateway sees the emulators run at ``speed``
+        prefill_tokens_per_s=rate * cfg.speed,
+        ttft_target_ms=max(1, round(TTFT_TARGET_S * 1000 / cfg.speed)),
     )  # fmt: skip
     return schema.Catalog(families={FAMILY: version}, versions={version: mv})
 
 
-# Gateway knobs per arm: GATEWAY_ADMISSION_* (gateway.policy.AdmissionConfig.from_env).
-def gateway_env(arm: str) -> dict[str, str]:
+TTFT_TARGET_S = 1.0  # the design's TTFT SLO
+
+
+def threshold_prefill_rate(profile: Profile, ttft_s: float) -> float:
+    """The profile's prefill rate at the long-context threshold: tokens n whose lone
+    prefill takes ``ttft_s`` (model time), over ``ttft_s``. Realistic prefill grows faster
+    than linearly with the prompt (attention), so this is the rate that matters there."""
+    lo, hi = 1, max(2, profile.max_model_len)
+    if profile.prefill_seconds(hi) < ttft_s:
+        return hi / profile.prefill_seconds(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if profile.prefill_seconds(mid) < ttft_s:
+            lo = mid
+        else:
+            hi = mid
+    return hi / ttft_s
+
+
+# Gateway knobs per arm: GATEWAY_ADMISSION_* (gateway.admission.config.AdmissionConfig.from_env).
+def gateway_env(arm: str, k: int = 8) -> dict[str, str]:
+    if arm == "c0":
+        return {
+            "GATEWAY_ADMISSION_LAYERS": "requests,tokens,kv_seconds,capacity,retry_budget",
+            "GATEWAY_ADMISSION_CONTEXT_PLACEMENT": "0",
+            "GATEWAY_ADMISSION_COUNT_REQUEST_KV": "0",
+        }
     if arm == "b":
         # Requests/min only: no tokens/min or KV·seconds layer, no class ceilings (all 1.0),
         # occupancy-blind round robin — what most gateways offer.
@@ -241,6 +289,12 @@ def gateway_env(arm: str) -> dict[str, str]:
             "GATEWAY_ADMISSION_RESERVED_MAX_OCCUPANCY": "1.0",
             "GATEWAY_ADMISSION_STRATEGY": "round_robin",
             "GATEWAY_ADMISSION_OPTIMISTIC_INFLIGHT": "0",
+        }
+    if arm == "cache":
+        # the coarse profile's block is 16 real tokens = 16 / k emulated ones
+        return {
+            "GATEWAY_ADMISSION_STRATEGY": "cache_aware",
+            "GATEWAY_PREFIX_BLOCK_SIZE": str(max(1, 16 // k)),
         }
     return {}
 
@@ -317,9 +371,9 @@ def run_arm(
     started = time.perf_counter()
     cpu_before = _cpu_seconds()
     version = f"{FAMILY}-bench"
-    pools: list[schema.Pool] = ["shared"] * cfg.shared_replicas + [
-        "reserved"
-    ] * cfg.reserved_replicas
+    shared: list[schema.Pool] = ["shared"] * cfg.shared_replicas
+    reserved: list[schema.Pool] = ["reserved"] * cfg.reserved_replicas
+    pools = shared + reserved
     replicas = cluster.start_replicas(
         profile,
         profile_file,
@@ -328,6 +382,8 @@ def run_arm(
         speed=cfg.speed,
         seed=cfg.seed,
         extra={"long_prefill_token_threshold": cfg.long_prefill_tokens},
+        # The operator who forgot the flag: vLLM's default fcfs, priorities ignored.
+        omit_platform_flags=("--scheduling-policy",) if arm == "fcfs" else (),
     )
     gw: cluster.Gateway | None = None
     try:
@@ -346,7 +402,9 @@ def run_arm(
                 )
             finally:
                 client.close()
-            gw = cluster.start_gateway(redis_url, cfg.gateway_workers, gateway_env(arm), workdir)
+            gw = cluster.start_gateway(
+                redis_url, cfg.gateway_workers, gateway_env(arm, cfg.k), workdir
+            )
             url = gw.base_url + "/v1/chat/completions"
             targets = {
                 s.tenant_id: Target(url, {"Authorization": f"Bearer {s.secret}"}) for s in seeds
@@ -418,22 +476,117 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (tests)")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument(
+        "--load-scale",
+        type=float,
+        default=1.0,
+        help="multiply the request rate of every tenant but the noisy one (the flood stays)",
+    )
+    ap.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=None,
+        help="chunked-prefill budget per step in real tokens (the long-prefill threshold "
+        "keeps its 64 %% share of it)",
+    )
+    ap.add_argument(
+        "--noisy-tenants",
+        default="1",
+        help="how many standard tenants flood 128k prompts at once (each at the noisy rate, "
+        "inside its own plan limits); a comma list (e.g. 1,2,4) runs bench/nn_multi.py's "
+        "comparison for each, with --seeds",
+    )
+    ap.add_argument("--seeds", default=None, help="comma list of seeds for the multi runs")
+    ap.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="model seconds of arrivals per arm (default 150; the first 40 are not counted): "
+        "longer runs let the flooders' served counts resolve a 2x fairness check",
+    )
+    ap.add_argument(
+        "--speed",
+        type=float,
+        default=None,
+        help="model seconds per wall second of the replicas (default 3); lower halves what "
+        "a loaded machine's stalls add to the model-time latencies, at twice the wall time",
+    )
+    ap.add_argument(
+        "--design-load",
+        action="store_true",
+        help="the fixed tenant rates sized when the emulator used the design's flat prefill "
+        "rate (an overload of the realistic replicas) instead of rates derived from the "
+        "replica profile at the design's utilisation (bench/nn_capacity.py)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     cfg = NNConfig.smoke() if args.smoke else NNConfig()
     if args.seed is not None:
         cfg = dataclasses.replace(cfg, seed=args.seed)
+    if args.speed is not None:
+        cfg = dataclasses.replace(cfg, speed=args.speed)
+    if args.duration is not None:
+        cfg = dataclasses.replace(cfg, duration_s=args.duration)
+    if args.chunk_tokens is not None:
+        share = cfg.long_prefill_tokens / cfg.chunk_tokens
+        cfg = dataclasses.replace(
+            cfg,
+            chunk_tokens=args.chunk_tokens,
+            long_prefill_tokens=round(args.chunk_tokens * share),
+        )
+    load_note = ""
+    if not (args.smoke or args.design_load):
+        from bench.nn_capacity import derived_load
+
+        load = derived_load(
+            coarse_profile(LLAMA_70B_TP4_H100, cfg.k, cfg.chunk_tokens),
+            k=cfg.k,
+            long_prefill_tokens=cfg.long_prefill_tokens,
+            shared_replicas=cfg.shared_replicas,
+            reserved_replicas=cfg.reserved_replicas,
+            standard_tenants=cfg.standard_tenants,
+        )
+        cfg = dataclasses.replace(
+            cfg,
+            standard_rps=load.standard_rps,
+            free_rps=load.free_rps,
+            enterprise_rps=load.enterprise_rps,
+        )
+        load_note = load.describe()
+        print(f"[noisy_neighbour] {load_note}", flush=True)
+    if args.load_scale != 1.0:
+        f = args.load_scale
+        cfg = dataclasses.replace(
+            cfg,
+            standard_rps=cfg.standard_rps * f,
+            enterprise_rps=cfg.enterprise_rps * f,
+            free_rps=cfg.free_rps * f,
+        )
+    counts = [int(x) for x in str(args.noisy_tenants).split(",") if x]
+    if len(counts) > 1 or args.seeds:
+        from bench.nn_multi import run_multi
+
+        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [cfg.seed]
+        arms_multi = [a for a in args.arms.split(",") if a] if args.arms != ",".join(ARMS) else None
+        command = " ".join(
+            ["python -m bench.noisy_neighbour", *(sys.argv[1:] if argv is None else argv)]
+        )
+        run_multi(cfg, counts, seeds, args.out, command, arms=arms_multi, load_note=load_note)
+        return 0
+    cfg = dataclasses.replace(cfg, noisy_tenants=counts[0])
     arms = [a for a in args.arms.split(",") if a]
-    command = "python -m bench.noisy_neighbour" + (" --smoke" if args.smoke else "")
+    command = " ".join(
+        ["python -m bench.noisy_neighbour", *(sys.argv[1:] if argv is None else argv)]
+    )
     run(cfg, arms, args.out, command, write_report)
     return 0
 
 
 def run(cfg: NNConfig, arms: Sequence[str], out: Path, command: str,
         report: Callable[..., Path]) -> dict[str, ArmResult]:  # fmt: skip
-    unknown = set(arms) - set(ARMS)
+    unknown = set(arms) - set(ARMS) - set(EXTRA_ARMS)
     if unknown:
-        raise SystemExit(f"unknown arms {sorted(unknown)}; choose from {ARMS}")
+        raise SystemExit(f"unknown arms {sorted(unknown)}; choose from {ARMS + EXTRA_ARMS}")
     specs = tenants(cfg)
     wl = build_workload(specs, cfg.duration_s, cfg.seed)
     profile = coarse_profile(LLAMA_70B_TP4_H100, cfg.k, cfg.chunk_tokens)

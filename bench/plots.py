@@ -98,7 +98,7 @@ def lines(
     for i, (ylabel, series) in enumerate(panels):
         ax = axes[i][0]
         for s in series:
-            ax.plot(s.x, s.y, label=s.label, **s.style)  # type: ignore[arg-type]
+            ax.plot(s.x, s.y, label=s.label, **s.style)
         if hlines and i < len(hlines):
             for h in hlines[i]:
                 ax.axhline(h, color="black", lw=0.7, ls="--")

@@ -1,6 +1,6 @@
 """Latency statistics, SLO attainment and goodput, in model time.
 
-The SLO of the design (§1): TTFT p95 < 1 s and TPOT p95 < 50 ms. Per request we say it
+The SLO (docs/design.md §1): TTFT p95 < 1 s and TPOT p95 < 50 ms. Per request we say it
 met the SLO when it completed, its TTFT was under 1 s and its mean TPOT under 50 ms; a
 refused (429/503) or failed request did not meet it.
 """
@@ -47,7 +47,10 @@ class Outcome:
 
 
 def percentile(values: Sequence[float] | np.ndarray, q: float) -> float:
-    """Linear-interpolated percentile; NaN for no data (rendered as '—')."""
+    """The benchmarks' one percentile convention: ``q`` in 0..100, interpolated linearly
+    between the two closest ranks (numpy's default, the "type 7" estimator of R and of
+    spreadsheets' PERCENTILE), so p50 of [1, 2, 3, 4] is 2.5; NaN for no data (rendered as
+    '—'). Every report, table and check in bench/ goes through it."""
     if len(values) == 0:
         return math.nan
     return float(np.percentile(np.asarray(values, dtype=float), q))

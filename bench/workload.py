@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,7 +76,7 @@ class Fixed:
 
 Lengths = LogNormal | Fixed
 
-# §2 of the design: prompt p50 800 / p95 6,000; output p50 300 / p95 1,200.
+# docs/design.md §2: prompt p50 800 / p95 6,000; output p50 300 / p95 1,200.
 DESIGN_PROMPT = LogNormal.from_quantiles(800, 6_000, lo=16, hi=32_000)
 DESIGN_OUTPUT = LogNormal.from_quantiles(300, 1_200, lo=1, hi=4_096)
 NOISY_PROMPT_TOKENS = 128_000
@@ -228,7 +228,3 @@ class PromptFactory:
         tag = self.tag(spec.request_id)
         body_tokens = max(1, spec.prompt_tokens - CHAT_TEMPLATE_TOKENS - len(tag))
         return " ".join(tag) + " " + self.body(body_tokens)
-
-
-def offered_rates(tenants: Iterable[TenantSpec]) -> dict[str, float]:
-    return {t.tenant_id: t.rate_rps for t in tenants}

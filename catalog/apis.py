@@ -1,16 +1,29 @@
-"""GET /api/v1/models/: the model families, their current version and pinnable versions."""
+"""GET /api/v1/models/: the model families, their current version and pinnable versions,
+each with the prices in force now.
+
+GET/POST /api/v1/models/<version>/prices/: a version's price history and price changes,
+for staff holding ``catalog.view_modelprice`` / ``catalog.add_modelprice`` (being staff
+is not enough). A change records who made it and why; it takes effect from the current
+UTC hour or a later one, never an earlier one (catalog.services.price_change).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from django.core.exceptions import PermissionDenied
+from django.http import Http404
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from catalog import selectors
+from catalog import selectors, services
+from catalog.models import ModelVersion
+
+VIEW_PRICES = "catalog.view_modelprice"
+CHANGE_PRICES = "catalog.add_modelprice"
 
 
 class VersionOutput(serializers.Serializer):
@@ -20,11 +33,22 @@ class VersionOutput(serializers.Serializer):
     kv_bytes_per_token = serializers.IntegerField()
     tpot_target_ms = serializers.IntegerField()
     kv_capacity_tokens = serializers.IntegerField()
+    capabilities = serializers.SerializerMethodField()
     currency = serializers.CharField()
     # Strings, so prices stay exact decimals in JSON.
     price_prompt_per_mtok = serializers.DecimalField(max_digits=12, decimal_places=6)
     price_cached_prompt_per_mtok = serializers.DecimalField(max_digits=12, decimal_places=6)
     price_completion_per_mtok = serializers.DecimalField(max_digits=12, decimal_places=6)
+
+    def get_capabilities(self, version: Any) -> dict[str, Any]:
+        return {
+            "tools": version.supports_tools,
+            "tool_call_parser": version.tool_call_parser or None,
+            "structured_output": version.supports_structured_output,
+            "max_n": version.max_n,
+            "logprobs": version.supports_logprobs,
+            "max_top_logprobs": version.max_top_logprobs,
+        }
 
 
 class FamilyOutput(serializers.Serializer):
@@ -41,3 +65,69 @@ class ModelListApi(APIView):
     @extend_schema(responses=FamilyOutput(many=True))
     def get(self, request: Request) -> Response:
         return Response(FamilyOutput(selectors.family_list(), many=True).data)
+
+
+PRICE = {"max_digits": 12, "decimal_places": 6, "min_value": 0}
+
+
+class PriceOutput(serializers.Serializer):
+    effective_from = serializers.DateTimeField()
+    currency = serializers.CharField()
+    price_prompt_per_mtok = serializers.DecimalField(max_digits=12, decimal_places=6)
+    price_cached_prompt_per_mtok = serializers.DecimalField(max_digits=12, decimal_places=6)
+    price_completion_per_mtok = serializers.DecimalField(max_digits=12, decimal_places=6)
+    actor = serializers.CharField(source="actor_label")
+    reason = serializers.CharField()
+    created_at = serializers.DateTimeField()
+    replaces_effective_from = serializers.DateTimeField(
+        source="replaces.effective_from", default=None
+    )
+
+
+class PriceChangeInput(serializers.Serializer):
+    price_prompt_per_mtok = serializers.DecimalField(**PRICE)
+    price_cached_prompt_per_mtok = serializers.DecimalField(**PRICE)
+    price_completion_per_mtok = serializers.DecimalField(**PRICE)
+    effective_from = serializers.DateTimeField(
+        required=False, allow_null=True, help_text="A UTC hour, not before the current one."
+    )
+    reason = serializers.CharField(max_length=2000)
+
+
+def _require(request: Request, perm: str) -> None:
+    user = request.user
+    if not (user.is_staff and user.is_active and user.has_perm(perm)):
+        raise PermissionDenied(f"This needs a staff account with the {perm} permission.")
+
+
+def _version(name: str) -> ModelVersion:
+    version = ModelVersion.objects.filter(name=name).first()
+    if version is None:
+        raise Http404
+    return version
+
+
+class VersionPriceApi(APIView):
+    @extend_schema(responses=PriceOutput(many=True))
+    def get(self, request: Request, version: str) -> Response:
+        _require(request, VIEW_PRICES)
+        rows = selectors.price_history(version=_version(version))
+        return Response(PriceOutput(rows, many=True).data)
+
+    @extend_schema(request=PriceChangeInput, responses={201: PriceOutput})
+    def post(self, request: Request, version: str) -> Response:
+        _require(request, CHANGE_PRICES)
+        data = PriceChangeInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        values = data.validated_data
+        row = services.price_change(
+            version=_version(version),
+            prompt=values["price_prompt_per_mtok"],
+            cached_prompt=values["price_cached_prompt_per_mtok"],
+            completion=values["price_completion_per_mtok"],
+            effective_from=values.get("effective_from"),
+            actor=request.user,
+            actor_label=request.user.get_username(),
+            reason=values["reason"],
+        )
+        return Response(PriceOutput(row).data, status=201)

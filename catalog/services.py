@@ -1,24 +1,45 @@
-"""Writes for the model registry. Read-model pushes follow via the tenants app's hooks."""
+"""Writes for the model registry. Read-model pushes follow via the tenants app's hooks.
+
+Prices are effective-dated rows of ``ModelPrice`` and only ``price_change`` (and a new
+version's first price in ``version_upsert``) writes them; the table is append-only.
+"""
 
 from __future__ import annotations
 
-from decimal import Decimal
+from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from django.db import transaction
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
+from django.utils import timezone
 
-from catalog.models import ModelFamily, ModelVersion, Replica
+from catalog.models import PRICE_EPOCH, ModelFamily, ModelPrice, ModelVersion, Replica
+from catalog.selectors import price_in_force
 
+PRICE_FIELDS = (
+    "price_prompt_per_mtok",
+    "price_cached_prompt_per_mtok",
+    "price_completion_per_mtok",
+)
 VERSION_FIELDS = (
     "context_length",
     "kv_bytes_per_token",
     "tpot_target_ms",
     "kv_capacity_tokens",
-    "price_prompt_per_mtok",
-    "price_cached_prompt_per_mtok",
-    "price_completion_per_mtok",
+    *PRICE_FIELDS,
     "currency",
     "is_active",
+    "weights",
+    "tensor_parallel_size",
+    "tool_call_parser",
+    "emulator_profile",
+    "supports_tools",
+    "supports_structured_output",
+    "max_n",
+    "supports_logprobs",
+    "max_top_logprobs",
 )
 
 
@@ -32,19 +53,215 @@ def family_upsert(*, name: str, display_name: str = "", description: str = "") -
     return family
 
 
+def current_hour() -> datetime:
+    """The start of the current UTC hour: the earliest a price change may take effect."""
+    return timezone.now().astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+
+
+def _price(value: Any, field: str) -> Decimal:
+    try:
+        price = Decimal(str(value))
+    except (InvalidOperation, ValueError):
+        raise ValidationError({field: "A price is a decimal number."}) from None
+    if not price.is_finite():
+        raise ValidationError({field: "A price is a decimal number."})
+    return price
+
+
+def _record_price(
+    *,
+    version: ModelVersion,
+    effective_from: datetime,
+    prices: tuple[Decimal, Decimal, Decimal],
+    replaces: ModelPrice | None,
+    actor: AbstractBaseUser | None,
+    actor_label: str,
+    reason: str,
+) -> ModelPrice:
+    row = ModelPrice(
+        version=version,
+        effective_from=effective_from,
+        price_prompt_per_mtok=prices[0],
+        price_cached_prompt_per_mtok=prices[1],
+        price_completion_per_mtok=prices[2],
+        currency=version.currency,
+        replaces=replaces,
+        actor=actor,
+        actor_label=actor_label,
+        reason=reason,
+    )
+    row.full_clean()  # field limits, cached <= prompt, the hour boundary, who and why
+    try:
+        with transaction.atomic():
+            row.save()
+    except IntegrityError:  # a concurrent change for the same hour won the race
+        raise ValidationError(
+            {"effective_from": "The version already has a price from that hour."}
+        ) from None
+    return row
+
+
+def price_effective_hour(effective_from: datetime | None) -> datetime:
+    """The UTC hour a price change takes effect from: ``effective_from`` checked (aware, on
+    an hour boundary, not before the current hour), or the current hour for None."""
+    now_hour = current_hour()
+    if effective_from is None:
+        return now_hour
+    if timezone.is_naive(effective_from):
+        raise ValidationError({"effective_from": "Give a time zone (prices change in UTC)."})
+    effective_from = effective_from.astimezone(UTC)
+    if effective_from != effective_from.replace(minute=0, second=0, microsecond=0):
+        raise ValidationError(
+            {"effective_from": "A price takes effect at the start of a UTC hour."}
+        )
+    if effective_from < now_hour:
+        raise ValidationError(
+            {
+                "effective_from": (
+                    f"{effective_from:%Y-%m-%d %H:%M} UTC is in the past: a price takes effect "
+                    f"from the current hour ({now_hour:%Y-%m-%d %H:%M} UTC) or later, since "
+                    "past hours may already be invoiced."
+                )
+            }
+        )
+    return effective_from
+
+
 @transaction.atomic
-def version_upsert(*, family: ModelFamily, name: str, **values: Any) -> ModelVersion:
-    """Create or update one weights version; ``values`` are ModelVersion fields."""
+def version_first_price(
+    *,
+    version: ModelVersion,
+    prompt: Decimal | str,
+    cached_prompt: Decimal | str,
+    completion: Decimal | str,
+    actor: AbstractBaseUser | None = None,
+    actor_label: str,
+    reason: str = "First price of the version.",
+) -> ModelPrice:
+    """A new version's first price, in force from the epoch (no usage can predate it).
+    Refused once the version has a price: later prices are ``price_change``s."""
+    ModelVersion.objects.select_for_update().filter(pk=version.pk).first()
+    if ModelPrice.objects.filter(version=version).exists():
+        raise ValidationError("The version has a price already: record a price change.")
+    return _record_price(
+        version=version,
+        effective_from=PRICE_EPOCH,
+        prices=(
+            _price(prompt, "price_prompt_per_mtok"),
+            _price(cached_prompt, "price_cached_prompt_per_mtok"),
+            _price(completion, "price_completion_per_mtok"),
+        ),
+        replaces=None,
+        actor=actor,
+        actor_label=actor_label,
+        reason=reason,
+    )
+
+
+@transaction.atomic
+def price_change(
+    *,
+    version: ModelVersion,
+    prompt: Decimal | str,
+    cached_prompt: Decimal | str,
+    completion: Decimal | str,
+    effective_from: datetime | None = None,
+    actor: AbstractBaseUser | None = None,
+    actor_label: str,
+    reason: str,
+) -> ModelPrice:
+    """Record a new price for ``version``, in force from ``effective_from`` (the start of a
+    UTC hour; None: the current hour) until the version's next price.
+
+    Never in the past: hours before the current one may already be invoiced, so a price
+    from before the current hour is refused (ValidationError, nothing written). The row
+    records who (``actor``, ``actor_label``), why (``reason``), when (``created_at``) and
+    the price it replaces at that hour (the before); the table is append-only.
+    """
+    effective_from = price_effective_hour(effective_from)
+    if not reason.strip():
+        raise ValidationError({"reason": "Say why the price changes."})
+    if not actor_label.strip():
+        raise ValidationError({"actor_label": "Say who changes the price."})
+    # One change at a time per version: the row in force (the before) cannot move under us.
+    ModelVersion.objects.select_for_update().filter(pk=version.pk).first()
+    prices = (
+        _price(prompt, "price_prompt_per_mtok"),
+        _price(cached_prompt, "price_cached_prompt_per_mtok"),
+        _price(completion, "price_completion_per_mtok"),
+    )
+    before = price_in_force(version=version, at=effective_from)
+    if before is None:
+        raise ValidationError("The version has no price yet: give it its first price.")
+    return _record_price(
+        version=version,
+        effective_from=effective_from,
+        prices=prices,
+        replaces=before,
+        actor=actor,
+        actor_label=actor_label.strip(),
+        reason=reason.strip(),
+    )
+
+
+@transaction.atomic
+def version_upsert(
+    *,
+    family: ModelFamily,
+    name: str,
+    actor: AbstractBaseUser | None = None,
+    actor_label: str = "system:catalog",
+    price_reason: str = "",
+    **values: Any,
+) -> ModelVersion:
+    """Create or update one weights version; ``values`` are ModelVersion fields and the
+    three ``price_*_per_mtok`` prices.
+
+    A new version needs the three prices: its first price, in force from the epoch. For
+    an existing version, prices that differ from the ones in force now are a
+    ``price_change`` from the current hour, which needs ``price_reason``; to schedule a
+    change for a later hour call ``price_change`` itself.
+    """
     unknown = sorted(set(values) - set(VERSION_FIELDS))
     if unknown:
         raise TypeError(f"unknown version fields: {unknown}")
-    version = ModelVersion.objects.filter(name=name).first() or ModelVersion(
-        family=family, name=name
-    )
+    existing = ModelVersion.objects.filter(name=name).first()
+    version = existing or ModelVersion(family=family, name=name)
+    given = {f: _price(values.pop(f), f) for f in PRICE_FIELDS if f in values}
+    if existing is not None and "currency" in values and values["currency"] != version.currency:
+        raise ValidationError(
+            {"currency": "A version's prices stay in one currency; add a new version instead."}
+        )
     for field, value in values.items():
-        setattr(version, field, Decimal(str(value)) if field.startswith("price_") else value)
+        setattr(version, field, value)
     version.full_clean()
     version.save()
+    current = price_in_force(version=version, at=timezone.now()) if existing else None
+    if current is None:
+        missing = [f for f in PRICE_FIELDS if f not in given]
+        if missing:
+            raise ValidationError({f: "A new version needs its prices." for f in missing})
+        version_first_price(
+            version=version,
+            prompt=given[PRICE_FIELDS[0]],
+            cached_prompt=given[PRICE_FIELDS[1]],
+            completion=given[PRICE_FIELDS[2]],
+            actor=actor,
+            actor_label=actor_label,
+            reason=price_reason or "First price of the version.",
+        )
+        return version
+    wanted = tuple(given.get(f, getattr(current, f)) for f in PRICE_FIELDS)
+    if wanted != tuple(getattr(current, f) for f in PRICE_FIELDS):
+        price_change(
+            version=version,
+            prompt=wanted[0],
+            cached_prompt=wanted[1],
+            completion=wanted[2],
+            actor=actor,
+            actor_label=actor_label,
+            reason=price_reason,
+        )
     return version
 
 

@@ -4,4 +4,5 @@ from catalog import apis
 
 urlpatterns = [
     path("models/", apis.ModelListApi.as_view(), name="model-list"),
+    path("models/<str:version>/prices/", apis.VersionPriceApi.as_view(), name="version-prices"),
 ]

@@ -22,6 +22,8 @@ import uvloop
 
 from emulator.engine import EngineConfig, resolve_long_prefill_threshold
 from emulator.faults import Faults
+from emulator.kv import HASH_ALGOS
+from emulator.kv_events import KVEventsConfig
 from emulator.profiles import BUILTIN_PROFILES, Profile, get_profile, load_profiles
 from emulator.service import EmulatorService
 
@@ -48,7 +50,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="model clock runs this many times faster than wall time",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--scheduling-policy", choices=("priority", "fcfs"), default="priority")
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="as vLLM: fcfs (default; request priority ignored) or priority (lower first)",
+    )
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="as vLLM: report usage.prompt_tokens_details.cached_tokens (off by default)",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='as vLLM: allow tool_choice "auto" (needs --tool-call-parser)',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="as vLLM: the tool-call format, e.g. llama3_json (the emulator writes that one)",
+    )
+    parser.add_argument(
+        "--kv-events-config",
+        type=KVEventsConfig.from_json,
+        help='as vLLM: JSON, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://*:5557", "topic": "kv"}\' (off by default)',
+    )
+    parser.add_argument(
+        "--scheduler-reserve-full-isl",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="as vLLM 0.33 (on by default): admit a waiting request only if its whole "
+        "sequence fits in free KV blocks; --no-scheduler-reserve-full-isl admits it once its "
+        "first chunk fits",
+    )
+    parser.add_argument(
+        "--admit-on-first-chunk",
+        action="store_false",
+        dest="scheduler_reserve_full_isl",
+        help="emulator-only alias of --no-scheduler-reserve-full-isl: the gate of vLLM "
+        "releases before the full-sequence admission gate (v0.11.x and earlier)",
+    )
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument(
@@ -58,6 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=HASH_ALGOS,
+        default="emulator",
+        help="as vLLM (sha256, sha256_cbor), or the emulator's own chain hash (default); "
+        "vLLM's schemes seed the first block's parent from PYTHONHASHSEED, as vLLM does",
+    )
+    parser.add_argument(
+        "--tenant-cache-share",
+        type=float,
+        default=0.0,
+        help="emulator-only (no vLLM equivalent): the most of the prefix cache one cache "
+        "salt may keep before reusing its own cached blocks; 0 = off",
+    )
     parser.add_argument(
         "--long-prefill-token-threshold",
         type=int,
@@ -94,6 +151,10 @@ async def serve(args: argparse.Namespace) -> None:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
         max_long_partial_prefills=args.max_long_partial_prefills,
+        reserve_full_prompt=args.scheduler_reserve_full_isl,
+        tenant_cache_share=args.tenant_cache_share,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        prefix_hash_seed=os.environ.get("PYTHONHASHSEED"),
     )
     faults = Faults(
         fail_after_tokens=args.fail_after_tokens,
@@ -112,6 +173,10 @@ async def serve(args: argparse.Namespace) -> None:
         port=args.port,
         on_crash=lambda: os._exit(CRASH_EXIT_CODE),
         log_level=args.log_level,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        kv_events=args.kv_events_config,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     await service.start()
     print(f"EMULATOR_READY {service.base_url}", flush=True)

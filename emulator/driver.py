@@ -14,15 +14,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from emulator.engine import Engine, Request
 
 logger = logging.getLogger("emulator.driver")
-
-
-class StepHandle(Protocol):
-    def on_step(self, req: Request) -> None: ...
 
 
 class EngineDriver:
@@ -33,12 +29,14 @@ class EngineDriver:
         *,
         clock: Callable[[], float] = time.monotonic,
         tolerance: float = 0.1,
+        on_kv_events: Callable[[list[Any]], None] | None = None,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be positive")
         self.engine = engine
         self.speed = speed
         self._clock = clock
+        self._on_kv_events = on_kv_events  # receives each step's KV-cache events, if any
         self._tolerance_model = tolerance * speed
         self._wall0 = clock()
         self._model0 = engine.now
@@ -117,6 +115,10 @@ class EngineDriver:
                 self.clock_lag_model_seconds += lag
                 engine.advance_to(engine.now + lag)
             result = engine.step()
+            if self._on_kv_events is not None:
+                events = engine.take_kv_events()
+                if events:
+                    self._on_kv_events(events)
             delay = self.wall_for(engine.now) - clock()
             # Always yield at least once so HTTP I/O interleaves with zero-length steps.
             await asyncio.sleep(delay if delay > 0 else 0)

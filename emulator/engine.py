@@ -13,13 +13,21 @@ API
     requests that carry no seed of their own.
 
 ``engine.add_request(request_id, prompt_token_ids, max_tokens, *, priority=0,
-arrival_time=None, cache_salt=None, ignore_eos=False, seed=None, min_tokens=0) -> Request``
+arrival_time=None, cache_salt=None, ignore_eos=False, seed=None, min_tokens=0,
+output_token_ids=None) -> Request``
     Queue a request (``arrival_time`` defaults to ``engine.now``). ``request_id`` must be unique
     among live requests. Raises ``ValueError`` if the prompt is empty or leaves no room for
     one output token within ``engine.max_model_len``; ``max_tokens`` is clamped to the room
     left, as vLLM does. The output ends at ``max_tokens`` (``finish_reason="length"``) or at a
     natural end drawn from a seeded lognormal with p50 300 / p95 1,200 tokens (``"stop"``)
-    unless ``ignore_eos``.
+    unless ``ignore_eos``. ``output_token_ids`` fixes the output instead (a tool call or a
+    structured-output JSON decided by the server): it ends after the last of them
+    (``"stop"``) or at ``max_tokens``.
+
+    ``n`` choices of one API request are ``n`` requests with the same prompt and salt, as
+    vLLM's v1 engine fans them out: admitted together, the later ones hit the first one's
+    full prompt blocks in the prefix cache (computed once, shared by reference), each
+    computes only its own partial last block, and each grows its own decode blocks.
 
 ``engine.abort(request_id, reason="abort") -> Request | None``
     Finish a live request now (client disconnect: ``"abort"``; injected failure: ``"error"``),
@@ -42,15 +50,31 @@ Read-only state: ``now``, ``requests`` (live, by id), ``num_running``, ``num_wai
 ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``num_gpu_blocks``,
 ``block_size``, ``scheduling_policy``, ``long_prefill_token_threshold``.
 
-Scheduling follows vLLM v1 (``v1/core/sched/scheduler.py``): running requests first (decode or
-their next prefill chunk, at most ``long_prefill_token_threshold`` tokens of it when that is
-set) within the ``max_num_batched_tokens`` budget, allocating blocks as
-they grow; when a block is missing, preempt the victim (priority policy: max
-``(priority, arrival_time)``; fcfs: last of running), free its blocks, reset it and requeue it.
-Then waiting requests in queue order while budget lasts and ``len(running) < max_num_seqs``,
-each admitted only if its whole prompt fits in free blocks (prefix-cache hits excepted); no
-admissions in a step that preempted. The occupancy cliff is not a formula here: it emerges
-from preemption and recompute.
+Scheduling follows the v1 scheduler of vLLM 0.33.0, the release the emulator pins (what
+``/version`` reports): running requests first (decode or their next prefill chunk, at most
+``long_prefill_token_threshold`` tokens of it when that is set) within the
+``max_num_batched_tokens`` budget, allocating blocks as they grow; when a block is missing,
+preempt the victim (priority policy: max ``(priority, arrival_time)``; fcfs: last of
+running), free its blocks, reset it and requeue it. Then waiting requests in queue order while
+budget lasts and ``len(running) < max_num_seqs``; no admissions in a step that preempted.
+
+* Policy: ``fcfs`` by default, as vLLM; ``priority`` only when asked for (vLLM's
+  ``--scheduling-policy priority``). Under fcfs a request's ``priority`` is carried but
+  ignored.
+* Admission gate: in 0.33 a waiting request is admitted only if its whole sequence fits in
+  free blocks (prefix-cache hits excepted; vLLM's ``scheduler_reserve_full_isl``, on by
+  default). Releases before that setting existed (v0.11.x and earlier) admitted a request as
+  soon as its first chunk fit, and relied on preemption when later chunks did not;
+  ``EngineConfig(reserve_full_prompt=False)`` selects that behaviour.
+* Prefix caching: a request's full blocks are cached when they are *scheduled* (vLLM's
+  ``allocate_slots`` caches up to the tokens the step will compute), so a same-prefix request
+  admitted later in the same step already hits them. Two requests that compute the same
+  block in one step each keep their own copy; both copies are registered under the hash
+  (vLLM does not de-duplicate, block tables are append-only) and lookups return the first.
+* With ``enable_kv_cache_events`` the pool records BlockStored / BlockRemoved /
+  AllBlocksCleared events (``take_kv_events()``), as vLLM's ``--kv-events-config`` does.
+
+The occupancy cliff is not a formula here: it emerges from preemption and recompute.
 """
 
 from __future__ import annotations
@@ -58,12 +82,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any, Literal
 
-from emulator.kv import BlockPool, chain_hashes, salt_key
+from emulator.kv import BlockPool, BlockStored, KVEvent, get_hasher, salt_key
 from emulator.profiles import Profile
 from emulator.stats import EngineStats
 from emulator.tokenizer import OUTPUT_TABLE_MASK, output_token_table
@@ -86,13 +110,13 @@ def _splitmix64(x: int) -> int:
 class EngineConfig:
     """Scheduler knobs; ``None`` means the profile's value."""
 
-    scheduling_policy: SchedulingPolicy = "priority"
+    scheduling_policy: SchedulingPolicy = "fcfs"  # vLLM's default
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     kv_capacity_tokens: int | None = None  # override the profile's KV budget (scaled benches)
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    output_len_median: float = 300.0  # design §2 output shape: p50 300, p95 1,200
+    output_len_median: float = 300.0  # the design output shape: p50 300, p95 1,200
     output_len_p95: float = 1200.0
     # vLLM ``--long-prefill-token-threshold``: the most prompt tokens one request may compute
     # in a step, so a long prefill leaves part of the chunk budget to others. 0 = no cap.
@@ -104,6 +128,19 @@ class EngineConfig:
     # feed the threshold's default above (and are validated as vLLM does).
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
+    # Admission gate: True as vLLM 0.33 (the whole sequence must fit in free blocks before a
+    # waiting request is admitted); False as releases before that gate (first chunk only).
+    reserve_full_prompt: bool = True
+    # vLLM ``--kv-events-config`` ``enable_kv_cache_events``: record KV-cache events.
+    enable_kv_cache_events: bool = False
+    # Emulator-only (vLLM has no such knob): the most of the prefix cache one cache salt may
+    # keep before it recycles its own cached blocks (``emulator.kv``); 0 = off.
+    tenant_cache_share: float = 0.0
+    # vLLM ``--prefix-caching-hash-algo`` (``emulator.kv.get_hasher``): the emulator's own
+    # chain hash by default, or vLLM's ``sha256``/``sha256_cbor``, whose first parent derives
+    # from ``prefix_hash_seed`` (vLLM reads it from PYTHONHASHSEED; None: random, as vLLM).
+    prefix_caching_hash_algo: str = "emulator"
+    prefix_hash_seed: str | None = None
 
 
 def resolve_long_prefill_threshold(cfg: EngineConfig, max_model_len: int) -> int:
@@ -133,6 +170,7 @@ class Request:
         "blocks",
         "block_hashes",
         "first_extra",
+        "hash_extra",
         "num_cached_blocks",
         "status",
         "priority",
@@ -153,6 +191,7 @@ class Request:
         "finish_time",
         "finish_reason",
         "cache_salt",
+        "forced",
         "handle",
     )
 
@@ -163,7 +202,8 @@ class Request:
     max_computed: int  # high-water mark of num_computed (to count recompute)
     blocks: list[int]
     block_hashes: list[int]  # chained hashes of the full blocks of token_ids known so far
-    first_extra: int  # cache-salt key mixed into the first block's hash
+    first_extra: int  # the cache salt's key: the owner of its blocks (tenant cache share)
+    hash_extra: Hashable  # the hash scheme's extra key of the first block (its salt)
     num_cached_blocks: int  # leading blocks already registered in the prefix cache
     status: int  # WAITING, RUNNING or FINISHED
     priority: int
@@ -184,6 +224,7 @@ class Request:
     finish_time: float
     finish_reason: str | None
     cache_salt: str | None
+    forced: Sequence[int] | None  # the exact output tokens (tool calls, structured output)
     handle: Any
 
     def __init__(self) -> None:
@@ -307,7 +348,13 @@ class Engine:
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or profile.max_num_batched_tokens
         capacity = cfg.kv_capacity_tokens or profile.kv_capacity_tokens
         self.num_gpu_blocks = capacity // self.block_size
-        self.pool = BlockPool(self.num_gpu_blocks, enable_caching=cfg.enable_prefix_caching)
+        self.pool = BlockPool(
+            self.num_gpu_blocks,
+            enable_caching=cfg.enable_prefix_caching,
+            enable_kv_cache_events=cfg.enable_kv_cache_events,
+            tenant_cache_share=cfg.tenant_cache_share,
+        )
+        self.reserve_full_prompt = cfg.reserve_full_prompt
         usable_tokens = (self.num_gpu_blocks - 1) * self.block_size
         # vLLM refuses to start when max_model_len exceeds the KV capacity; scaled-down
         # configurations clamp instead so every admitted request can eventually run.
@@ -315,6 +362,7 @@ class Engine:
         if self.max_model_len < 2:
             raise ValueError("KV capacity too small for even a 2-token sequence")
         self.enable_prefix_caching = cfg.enable_prefix_caching
+        self.hasher = get_hasher(cfg.prefix_caching_hash_algo, cfg.prefix_hash_seed)
         self.long_prefill_token_threshold = resolve_long_prefill_threshold(cfg, self.max_model_len)
 
         self.now = 0.0
@@ -332,7 +380,12 @@ class Engine:
         self._kv_bytes = profile.kv_bytes_per_token
         self._weights = profile.weights_bytes
         self._bandwidth = profile.effective_bandwidth
-        self._prefill_rate = profile.prefill_tokens_per_s
+        # Seconds per FLOP at each phase's realised rate (see emulator.profiles).
+        peak = profile.peak_flops
+        self._flops_tok = profile.flops_per_token
+        self._flops_pair = profile.attn_flops_per_token_ctx
+        self._s_per_prefill_flop = 1.0 / (peak * profile.prefill_mfu)
+        self._s_per_decode_flop = 1.0 / (peak * profile.decode_mfu)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -358,13 +411,14 @@ class Engine:
         if t > self.now:
             self.now = t
 
-    def step_seconds(self, scheduled_tokens: int, context_tokens: int) -> float:
-        """Roofline step time (see ``emulator.profiles``) for a batch shape."""
-        if scheduled_tokens <= 0:
-            return 0.0
-        compute = scheduled_tokens / self._prefill_rate
-        memory = (self._weights + context_tokens * self._kv_bytes) / self._bandwidth
-        return compute if compute > memory else memory
+    def take_kv_events(self) -> list[KVEvent]:
+        """KV-cache events recorded since the last call (empty unless enabled)."""
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block nobody uses (vLLM's ``reset_prefix_cache``): refused
+        while any request holds blocks, as vLLM refuses it."""
+        return self.pool.reset_prefix_cache()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -380,6 +434,7 @@ class Engine:
         ignore_eos: bool = False,
         seed: int | None = None,
         min_tokens: int = 0,
+        output_token_ids: Sequence[int] | None = None,
     ) -> Request:
         prompt_len = len(prompt_token_ids)
         if prompt_len == 0:
@@ -405,9 +460,12 @@ class Engine:
         req.blocks = []
         req.block_hashes = []
         req.first_extra = salt_key(cache_salt)
+        req.hash_extra = self.hasher.first_extra(cache_salt)
         req.cache_salt = cache_salt
         if self.enable_prefix_caching:
-            chain_hashes(req.token_ids, self.block_size, 0, 0, req.first_extra, req.block_hashes)
+            self.hasher.chain(
+                req.token_ids, self.block_size, 0, 0, req.hash_extra, req.block_hashes
+            )
         req.num_cached_blocks = 0
         req.status = WAITING
         req.priority = priority
@@ -424,10 +482,17 @@ class Engine:
         u = ((mixed >> 11) + 0.5) / float(1 << 53)
         natural = max(1, round(math.exp(self._mu + self._sigma * _STD_NORMAL.inv_cdf(u))))
         natural = max(natural, min_tokens)
+        if output_token_ids is not None:
+            # A decided output (tool call, JSON): it ends where the text ends, or at max_tokens.
+            if not output_token_ids:
+                raise ValueError("output_token_ids must not be empty")
+            natural = len(output_token_ids)
+            ignore_eos = False
         if ignore_eos or natural > max_tokens:
             req.target_len, req.natural_reason = max_tokens, "length"
         else:
             req.target_len, req.natural_reason = natural, "stop"
+        req.forced = output_token_ids
         req.tok_offset = _splitmix64(mixed) & OUTPUT_TABLE_MASK
 
         req.num_output = 0
@@ -486,22 +551,33 @@ class Engine:
         return self.running[-1]
 
     def _cache_full_blocks(self, req: Request, full: int) -> None:
+        """Register blocks ``num_cached_blocks..full`` of ``req`` in the prefix cache (at
+        schedule time, before the step computes them, as vLLM's ``allocate_slots`` does)."""
         hashes = req.block_hashes
+        bs = self.block_size
         if len(hashes) < full:
             parent = hashes[-1] if hashes else 0
-            chain_hashes(
-                req.token_ids[: full * self.block_size],
-                self.block_size,
-                len(hashes),
-                parent,
-                req.first_extra,
-                hashes,
+            self.hasher.chain(
+                req.token_ids[: full * bs], bs, len(hashes), parent, req.hash_extra, hashes
             )
-        cache_block = self.pool.cache_block
+        pool = self.pool
+        cache_block = pool.cache_block
         blocks = req.blocks
-        for index in range(req.num_cached_blocks, full):
-            cache_block(blocks[index], hashes[index])
+        first = req.num_cached_blocks
+        owner = req.first_extra
+        for index in range(first, full):
+            cache_block(blocks[index], hashes[index], owner)
         req.num_cached_blocks = full
+        if pool.events is not None:
+            pool.events.append(
+                BlockStored(
+                    block_hashes=hashes[first:full],
+                    parent_block_hash=hashes[first - 1] if first else None,
+                    token_ids=req.token_ids[first * bs : full * bs],
+                    block_size=bs,
+                    cache_salt=req.cache_salt if first == 0 else None,
+                )
+            )
 
     # -- the iteration -------------------------------------------------------------------
 
@@ -518,6 +594,7 @@ class Engine:
         scheduled: list[Request] = []
         preempted = result.preempted
         cap = self.long_prefill_token_threshold
+        caching = self.enable_prefix_caching
 
         # 1. Running requests: decode, or the next chunk of an unfinished prefill.
         i = 0
@@ -551,7 +628,9 @@ class Engine:
                             break
                     if self_preempted:
                         break
-                req.blocks.extend(pool.allocate(need))
+                req.blocks.extend(pool.allocate(need, req.first_extra))
+            if caching and (req.num_computed + n) // bs > req.num_cached_blocks:
+                self._cache_full_blocks(req, (req.num_computed + n) // bs)
             req.sched_step = step_no
             req.step_tokens = n
             scheduled.append(req)
@@ -561,8 +640,8 @@ class Engine:
         # 2. Waiting requests, unless this step preempted (vLLM: no admissions then).
         if not preempted:
             waiting = self.waiting
-            caching = self.enable_prefix_caching
             stats = self.stats
+            full_gate = self.reserve_full_prompt
             while budget > 0 and len(running) < self.max_num_seqs:
                 head = waiting.peek()
                 if head is None:
@@ -571,17 +650,19 @@ class Engine:
                 num_tokens = len(req.token_ids)
                 hits = pool.lookup(req.block_hashes, (num_tokens - 1) // bs) if caching else []
                 computed = len(hits) * bs
-                # Whole prompt must fit (scheduler_reserve_full_isl); touching evictable hit
-                # blocks takes them out of the free queue, so they do not count as free.
-                total_blocks = (num_tokens + bs - 1) // bs
-                if total_blocks - len(hits) > len(free) - (pool.num_evictable(hits) if hits else 0):
-                    break
-                waiting.pop()
                 n = num_tokens - computed
                 if 0 < cap < n:
                     n = cap
                 if n > budget:
                     n = budget
+                # 0.33: the whole sequence must fit (scheduler_reserve_full_isl); older
+                # releases: the first chunk. Touching evictable hit blocks takes them out of
+                # the free queue, so they do not count as free.
+                gate_tokens = num_tokens if full_gate else computed + n
+                gate_blocks = (gate_tokens + bs - 1) // bs
+                if gate_blocks - len(hits) > len(free) - (pool.num_evictable(hits) if hits else 0):
+                    break
+                waiting.pop()
                 if hits:
                     pool.touch(hits)
                 req.blocks = hits
@@ -589,7 +670,9 @@ class Engine:
                 req.num_computed = computed
                 need = (computed + n + bs - 1) // bs - len(hits)
                 if need > 0:
-                    req.blocks.extend(pool.allocate(need))
+                    req.blocks.extend(pool.allocate(need, req.first_extra))
+                if caching and (computed + n) // bs > req.num_cached_blocks:
+                    self._cache_full_blocks(req, (computed + n) // bs)
                 if req.num_cached_tokens < 0:  # first admission; re-admissions not counted
                     req.num_cached_tokens = computed
                     req.first_scheduled_time = start
@@ -608,14 +691,30 @@ class Engine:
         if not scheduled:
             return result
 
-        # 3. Execute: roofline duration, then advance every scheduled request.
+        # 3. Execute: roofline duration, then advance every scheduled request. A decode is
+        # one token of a request that has output; anything else is a prefill chunk
+        # (including recompute after preemption).
         tokens = 0
         context = 0
+        pairs_prefill = 0.0
+        tokens_prefill = 0
+        pairs_decode = 0
         for req in scheduled:
             n = req.step_tokens
+            before = req.num_computed
             tokens += n
-            context += req.num_computed + n
-        compute = tokens / self._prefill_rate
+            context += before + n
+            if n == 1 and req.num_output:
+                pairs_decode += before + 1
+            else:
+                tokens_prefill += n
+                pairs_prefill += n * (before + (n + 1) / 2)
+        tokens_decode = tokens - tokens_prefill
+        compute = (
+            tokens_prefill * self._flops_tok + pairs_prefill * self._flops_pair
+        ) * self._s_per_prefill_flop + (
+            tokens_decode * self._flops_tok + pairs_decode * self._flops_pair
+        ) * self._s_per_decode_flop
         memory = (self._weights + context * self._kv_bytes) / self._bandwidth
         duration = compute if compute > memory else memory
         end = start + duration
@@ -627,7 +726,6 @@ class Engine:
         stats = self.stats
         stats.num_steps += 1
         stats.busy_time += duration
-        caching = self.enable_prefix_caching
         table = self._out_table
         emitted = result.emitted
         finished = result.finished
@@ -646,12 +744,15 @@ class Engine:
                     recomputed += (computed if computed < high else high) - before
             if computed > high:
                 req.max_computed = computed
-            if caching and computed // bs > req.num_cached_blocks:
-                self._cache_full_blocks(req, computed // bs)
             if computed != len(req.token_ids):
                 continue  # mid-prefill chunk: no token yet
             num_output = req.num_output
-            req.token_ids.append(table[(req.tok_offset + num_output) & OUTPUT_TABLE_MASK])
+            forced = req.forced
+            req.token_ids.append(
+                table[(req.tok_offset + num_output) & OUTPUT_TABLE_MASK]
+                if forced is None
+                else forced[num_output]
+            )
             num_output += 1
             req.num_output = num_output
             if num_output == 1:

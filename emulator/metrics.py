@@ -165,6 +165,11 @@ class EngineCollector(Collector):
                 "Times the engine fell behind the wall clock and skipped ahead.",
                 self.driver.clock_resyncs,
             )
+            yield self._counter(
+                "emulator_clock_lag_seconds",
+                "Model seconds skipped to catch up with the wall clock (CPU-bound replica).",
+                self.driver.clock_lag_model_seconds,
+            )
 
 
 class MetricsRenderer:

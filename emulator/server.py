@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from emulator.choices import Choice, ChoiceStream, ResponseBuffer, decide_plan
 from emulator.driver import EngineDriver
 from emulator.engine import Engine, Request
 from emulator.faults import Faults
@@ -42,8 +43,10 @@ from emulator.protocol import (
     max_tokens_too_large,
     not_found_model,
     parse_chat_request,
+    parse_completion_request,
     parse_json_object,
     service_unavailable,
+    usage_dict,
 )
 from emulator.tokenizer import MessageFormatError, Tokenizer, output_vocab
 
@@ -91,43 +94,21 @@ async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes =
     await send({"type": "http.response.body", "body": body})
 
 
-class Stream:
+class Stream(ResponseBuffer):
     """Per-request bridge between engine events and the response writer."""
 
-    __slots__ = (
-        "app",
-        "params",
-        "req",
-        "templates",
-        "chunks",
-        "waiter",
-        "done",
-        "disconnected",
-        "role_sent",
-        "error",
-    )
+    __slots__ = ("app", "params", "req", "templates", "role_sent")
 
     def __init__(self, app: EmulatorApp, params: ChatParams, templates: ChunkTemplates | None):
         self.app = app
         self.params = params
         self.req: Request | None = None
         self.templates = templates
-        self.chunks: list[bytes] = []
-        self.waiter: asyncio.Future[None] | None = None
-        self.done = False  # nothing more will be produced (finished, failed, or dropped)
-        self.disconnected = False
         self.role_sent = False
-        self.error: ApiError | None = None
+        super().__init__()
 
-    def wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def close(self) -> None:
-        """End the response without more events (server shutdown)."""
-        self.done = True
-        self.wake()
+    def requests(self) -> list[Request]:
+        return [self.req] if self.req is not None else []
 
     def on_step(self, req: Request) -> None:
         if self.done:
@@ -144,12 +125,17 @@ class Stream:
         templates = self.templates
         if templates is not None:
             chunks = self.chunks
+            continuous = self.params.continuous_usage_stats
             if not self.role_sent:
-                chunks.append(templates.role)
+                if continuous:
+                    prefilled = orjson.dumps(usage_dict(req.prompt_len, 0, None))
+                    chunks.append(templates.role_with_usage(prefilled))
+                else:
+                    chunks.append(templates.role)
                 self.role_sent = True
             piece = _json_pieces()[req.token_ids[-1]]
             usage = None
-            if self.params.continuous_usage_stats:
+            if continuous:
                 usage = orjson.dumps(
                     {
                         "prompt_tokens": req.prompt_len,
@@ -161,7 +147,7 @@ class Stream:
                 chunks.append(templates.final(piece, finish_reason, usage))
                 if self.params.include_usage:
                     chunks.append(
-                        templates.usage_event(req.prompt_len, count, max(req.num_cached_tokens, 0))
+                        templates.usage_event(req.prompt_len, count, app.cached_tokens_of(req))
                     )
                 chunks.append(DONE_EVENT)
                 self.done = True
@@ -193,16 +179,27 @@ class EmulatorApp:
         speed: float = 1.0,
         faults: Faults | None = None,
         on_crash: Callable[[], None] | None = None,
+        enable_prompt_tokens_details: bool = False,
+        on_kv_events: Callable[[list[Any]], None] | None = None,
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine = engine
+        # vLLM's --enable-auto-tool-choice / --tool-call-parser: ``tool_choice: "auto"`` is
+        # refused without both; "required" and a named function work regardless.
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser
         self.model = model
-        self.driver = EngineDriver(engine, speed)
+        # vLLM's --enable-prompt-tokens-details (off by default): usage carries
+        # prompt_tokens_details.cached_tokens only when it is on.
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        self.driver = EngineDriver(engine, speed, on_kv_events=on_kv_events)
         self.faults = faults or Faults()
         self.tokenizer = Tokenizer()
         self.metrics = MetricsRenderer(engine, model, self.driver)
         self.on_crash = on_crash
         self.crashed = False
-        self.streams: set[Stream] = set()
+        self.streams: set[Stream | ChoiceStream] = set()
         self._watchers: set[asyncio.Task[None]] = set()
         self.created = int(time.time())
         digest = hashlib.sha256(f"{engine.profile.name}/{model}".encode()).hexdigest()[:8]
@@ -211,6 +208,7 @@ class EmulatorApp:
         _json_pieces()  # build lookup tables now, not inside the first stream's step
         self._routes: dict[str, dict[str, Handler]] = {
             "/v1/chat/completions": {"POST": self._chat},
+            "/v1/completions": {"POST": self._completions},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
             "/ping": {"GET": self._health, "POST": self._health},
@@ -222,6 +220,11 @@ class EmulatorApp:
             "/_emulator/state": {"GET": self._state},
         }
 
+    def cached_tokens_of(self, req: Request) -> int | None:
+        if not self.enable_prompt_tokens_details:
+            return None
+        return max(req.num_cached_tokens, 0)
+
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
@@ -230,8 +233,8 @@ class EmulatorApp:
     async def close(self) -> None:
         """Abort in-flight requests (vLLM's default --shutdown-timeout 0) and stop the loop."""
         for stream in list(self.streams):
-            if stream.req is not None:
-                self.driver.abort(stream.req)
+            for req in stream.requests():
+                self.driver.abort(req)
             stream.close()
         await self.driver.stop()
 
@@ -256,6 +259,8 @@ class EmulatorApp:
         if scope["type"] != "http":
             return
         methods = self._routes.get(scope["path"])
+        if methods is None and scope["path"].startswith("/v1/models/"):
+            methods = {"GET": self._model_detail}
         if methods is None:
             await send_bytes(send, 404, b'{"detail":"Not Found"}')
             return
@@ -281,39 +286,55 @@ class EmulatorApp:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _json_body(self, scope: Scope, receive: Receive) -> dict[str, Any] | None:
+    async def _json_raw(self, scope: Scope, receive: Receive) -> bytes | None:
+        """The body of a JSON request (None when the client left before sending it)."""
         raw = await self._read_body(receive)
         if raw is None:
             return None
         content_type = _header(scope, b"content-type") or b""
         if content_type.split(b";")[0].strip().lower() != JSON:
             raise bad_request("Content-Type must be application/json", "content-type")
-        return parse_json_object(raw)
+        return raw
+
+    async def _json_body(self, scope: Scope, receive: Receive) -> dict[str, Any] | None:
+        raw = await self._json_raw(scope, receive)
+        return None if raw is None else parse_json_object(raw)
+
+    async def _injected_faults(self) -> None:
+        """The latency and refusal a test asked for, before any work is queued."""
+        faults = self.faults
+        if faults.extra_latency_ms:
+            await asyncio.sleep(faults.extra_latency_ms / 1000)
+        if faults.refuse_503:
+            raise service_unavailable()
 
     # -- chat ----------------------------------------------------------------------------
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         engine = self.engine
         try:
-            raw = await self._read_body(receive)
+            raw = await self._json_raw(scope, receive)
             if raw is None:
                 return
-            content_type = _header(scope, b"content-type") or b""
-            if content_type.split(b";")[0].strip().lower() != JSON:
-                raise bad_request("Content-Type must be application/json", "content-type")
             params = parse_chat_request(
                 raw,
                 self.model,
                 _decoded_header(scope, b"x-request-id"),
                 _decoded_header(scope, b"x-vllm-priority"),
             )
-            faults = self.faults
-            if faults.extra_latency_ms:
-                await asyncio.sleep(faults.extra_latency_ms / 1000)
-            if faults.refuse_503:
-                raise service_unavailable()
+            await self._injected_faults()
+            if (
+                params.tool_choice == "auto"
+                and params.tools
+                and not (self.enable_auto_tool_choice and self.tool_call_parser)
+            ):
+                raise bad_request(
+                    '"auto" tool choice requires --enable-auto-tool-choice and '
+                    "--tool-call-parser to be set",
+                    "tool_choice",
+                )
             try:
-                prompt = self.tokenizer.apply_chat_template(params.messages)
+                prompt = self.tokenizer.apply_chat_template(params.messages, tools=params.tools)
             except MessageFormatError as exc:
                 raise bad_request(str(exc), exc.param) from None
             limit = engine.max_model_len
@@ -321,8 +342,29 @@ class EmulatorApp:
                 raise max_tokens_too_large(params.max_tokens, limit)
             if len(prompt) >= limit:
                 raise context_overflow(limit, len(prompt))
+            plans = [] if params.plain else [decide_plan(params, i) for i in range(params.n)]
         except ApiError as err:
             await send_bytes(send, err.status, err.body())
+            return
+
+        if not params.plain:
+            choices = [Choice(index=i, req=None, plan=plan, prompt_len=len(prompt))
+                       for i, plan in enumerate(plans)]  # fmt: skip
+            rich = ChoiceStream(
+                self,
+                kind="chat",
+                response_id="chatcmpl-" + params.request_id,
+                created=int(time.time()),
+                stream=params.stream,
+                include_usage=params.include_usage,
+                continuous_usage_stats=params.continuous_usage_stats,
+                logprobs=params.top_logprobs if params.logprobs else None,
+                choices=choices,
+            )
+            max_tokens = params.max_tokens if params.max_tokens is not None else limit
+            await self._run_choices(
+                receive, send, rich, params.request_id, [prompt], max_tokens, params
+            )
             return
 
         response_id = "chatcmpl-" + params.request_id
@@ -363,7 +405,72 @@ class EmulatorApp:
             if not req.finished:
                 self.driver.abort(req)
 
-    async def _watch_disconnect(self, receive: Receive, stream: Stream) -> None:
+    async def _run_choices(
+        self,
+        receive: Receive,
+        send: Send,
+        stream: ChoiceStream,
+        request_id: str,
+        prompts: list[list[int]],
+        max_tokens: int,
+        params: Any,
+    ) -> None:
+        """Submit one engine request per choice (same prompt and salt for a prompt's ``n``
+        choices: the prefix cache shares their prompt blocks) and write the response."""
+        for choice in stream.choices:
+            plan = choice.plan
+            # vLLM seeds the i-th of n samples with seed + i, so they differ but repeat.
+            seed = None if params.seed is None else params.seed + choice.index
+            self.driver_submit_choice(
+                stream,
+                choice,
+                request_id,
+                prompts[choice.prompt_index],
+                max_tokens,
+                params,
+                seed,
+                None if plan is None else plan.token_ids,
+            )
+        self.streams.add(stream)
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive, stream))
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
+        try:
+            if stream.streaming:
+                await self._write_stream(send, stream)
+            else:
+                await self._write_json(send, stream, stream.response_id, stream.created)
+        finally:
+            self.streams.discard(stream)
+            for req in stream.requests():
+                if not req.finished:
+                    self.driver.abort(req)
+
+    def driver_submit_choice(
+        self,
+        stream: ChoiceStream,
+        choice: Choice,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        params: Any,
+        seed: int | None,
+        output_token_ids: list[int] | None,
+    ) -> None:
+        choice.req = self.driver.submit(
+            f"{choice.index}_{request_id}-{next(self._ids)}",  # vLLM names children "<i>_<id>"
+            prompt,
+            max_tokens,
+            stream.handle_for(choice.index),
+            priority=params.priority,
+            cache_salt=params.cache_salt,
+            ignore_eos=params.ignore_eos,
+            seed=seed,
+            min_tokens=params.min_tokens,
+            output_token_ids=output_token_ids,
+        )
+
+    async def _watch_disconnect(self, receive: Receive, stream: Stream | ChoiceStream) -> None:
         # After the body is read, receive() returns only once the client disconnects or the
         # response completes; the latter is not a disconnect.
         while True:
@@ -373,12 +480,12 @@ class EmulatorApp:
         if not stream.done or stream.chunks:
             stream.disconnected = True
             stream.done = True
-            if stream.req is not None:
-                self.driver.abort(stream.req)
+            for req in stream.requests():
+                self.driver.abort(req)
             stream.wake()
 
     @staticmethod
-    async def _wait(stream: Stream) -> None:
+    async def _wait(stream: Stream | ChoiceStream) -> None:
         if stream.chunks or stream.done:
             return
         waiter = asyncio.get_running_loop().create_future()
@@ -388,7 +495,7 @@ class EmulatorApp:
         finally:
             stream.waiter = None
 
-    async def _write_stream(self, send: Send, stream: Stream) -> None:
+    async def _write_stream(self, send: Send, stream: Stream | ChoiceStream) -> None:
         await send(
             {
                 "type": "http.response.start",
@@ -408,19 +515,26 @@ class EmulatorApp:
             if done:
                 return
 
-    async def _write_json(self, send: Send, stream: Stream, response_id: str, created: int) -> None:
+    async def _write_json(
+        self, send: Send, stream: Stream | ChoiceStream, response_id: str, created: int
+    ) -> None:
         while not stream.done:
             await self._wait(stream)
-        req = stream.req
-        if stream.disconnected or req is None:
+        reqs = stream.requests()
+        if stream.disconnected or not reqs:
             return
         if stream.error is not None:
             await send_bytes(send, stream.error.status, stream.error.body())
             return
-        if req.finish_reason not in ("stop", "length"):  # aborted by shutdown
+        if any(r.finish_reason not in ("stop", "length") for r in reqs):  # aborted by shutdown
             await send_bytes(send, 503, ApiError(503, "The server is shutting down.",
                                                  "Service Unavailable").body())  # fmt: skip
             return
+        if isinstance(stream, ChoiceStream):
+            await send_bytes(send, 200, stream.json_body())
+            return
+        req = reqs[0]
+        assert req.finish_reason is not None
         body = chat_completion_body(
             response_id=response_id,
             created=created,
@@ -429,15 +543,69 @@ class EmulatorApp:
             finish_reason=req.finish_reason,
             prompt_tokens=req.prompt_len,
             completion_tokens=req.num_output,
-            cached_tokens=max(req.num_cached_tokens, 0),
+            cached_tokens=self.cached_tokens_of(req),
             system_fingerprint=self.system_fingerprint,
         )
         await send_bytes(send, 200, body)
 
+    # -- legacy completions --------------------------------------------------------------
+
+    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        engine = self.engine
+        try:
+            raw = await self._json_raw(scope, receive)
+            if raw is None:
+                return
+            params = parse_completion_request(
+                raw,
+                self.model,
+                _decoded_header(scope, b"x-request-id"),
+                _decoded_header(scope, b"x-vllm-priority"),
+            )
+            await self._injected_faults()
+            limit = engine.max_model_len
+            if params.max_tokens > limit:
+                raise max_tokens_too_large(params.max_tokens, limit)
+            prompts: list[list[int]] = []
+            for prompt in params.prompts:
+                ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
+                if len(ids) >= limit:
+                    raise context_overflow(limit, len(ids))
+                prompts.append(ids)
+        except ApiError as err:
+            await send_bytes(send, err.status, err.body())
+            return
+        choices = [
+            Choice(
+                index=p * params.n + j,
+                req=None,
+                plan=None,
+                prompt_len=len(ids),
+                prompt_index=p,
+                echo=prompt if params.echo and isinstance(prompt, str) else "",
+            )
+            for p, (prompt, ids) in enumerate(zip(params.prompts, prompts, strict=True))
+            for j in range(params.n)
+        ]
+        stream = ChoiceStream(
+            self,
+            kind="completion",
+            response_id="cmpl-" + params.request_id,
+            created=int(time.time()),
+            stream=params.stream,
+            include_usage=params.include_usage,
+            continuous_usage_stats=params.continuous_usage_stats,
+            logprobs=params.logprobs,
+            choices=choices,
+        )
+        await self._run_choices(
+            receive, send, stream, params.request_id, prompts, params.max_tokens, params
+        )
+
     # -- small routes --------------------------------------------------------------------
 
-    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        card = {
+    def model_card(self) -> dict[str, Any]:
+        return {
             "id": self.model,
             "object": "model",
             "created": self.created,
@@ -462,7 +630,18 @@ class EmulatorApp:
                 }
             ],
         }
-        await send_bytes(send, 200, orjson.dumps({"object": "list", "data": [card]}))
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_bytes(send, 200, orjson.dumps({"object": "list", "data": [self.model_card()]}))
+
+    async def _model_detail(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /v1/models/{id}``: the model's card, or OpenAI's 404 for any other id."""
+        model = scope["path"].removeprefix("/v1/models/")
+        if model != self.model:
+            err = ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+            await send_bytes(send, err.status, err.body())
+            return
+        await send_bytes(send, 200, orjson.dumps(self.model_card()))
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_bytes(send, 503 if self.faults.unhealthy else 200, b"")

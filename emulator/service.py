@@ -11,11 +11,13 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Callable
+from dataclasses import replace
 
 import uvicorn
 
 from emulator.engine import Engine, EngineConfig
 from emulator.faults import Faults
+from emulator.kv_events import KVEventsConfig, make_publisher
 from emulator.profiles import Profile
 from emulator.server import EmulatorApp
 
@@ -34,10 +36,27 @@ class EmulatorService:
         port: int = 0,
         on_crash: Callable[[], None] | None = None,
         log_level: str = "warning",
+        enable_prompt_tokens_details: bool = False,
+        kv_events: KVEventsConfig | None = None,
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
     ) -> None:
+        # vLLM's schemes publish digests, as vLLM does by default
+        hash_bytes = (config or EngineConfig()).prefix_caching_hash_algo != "emulator"
+        self.kv_events = make_publisher(kv_events, hash_bytes)
+        if self.kv_events is not None:  # record events only when something takes them
+            config = replace(config or EngineConfig(), enable_kv_cache_events=True)
         self.engine = Engine(profile, config, seed)
         self.app = EmulatorApp(
-            self.engine, model, speed=speed, faults=faults, on_crash=on_crash or self._crash
+            self.engine,
+            model,
+            speed=speed,
+            faults=faults,
+            on_crash=on_crash or self._crash,
+            enable_prompt_tokens_details=enable_prompt_tokens_details,
+            on_kv_events=self.kv_events.publish if self.kv_events is not None else None,
+            enable_auto_tool_choice=enable_auto_tool_choice,
+            tool_call_parser=tool_call_parser,
         )
         self.host = host
         self.requested_port = port
@@ -87,6 +106,8 @@ class EmulatorService:
         if server is None:
             return
         await self.app.close()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         server.should_exit = True
         if self._ticker is not None:
             await self._ticker

@@ -39,6 +39,7 @@ from typing import IO, Any
 
 from emulator.engine import Engine, EngineConfig, SchedulingPolicy
 from emulator.faults import Faults
+from emulator.kv_events import KVEventsConfig
 from emulator.profiles import Profile, get_profile
 from emulator.server import EmulatorApp
 from emulator.service import EmulatorService
@@ -83,18 +84,25 @@ async def running_emulator(
     speed: float = 10.0,
     *,
     seed: int = 0,
-    scheduling_policy: SchedulingPolicy = "priority",
+    scheduling_policy: SchedulingPolicy = "fcfs",
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
     kv_capacity_tokens: int | None = None,
     max_model_len: int | None = None,
     enable_prefix_caching: bool = True,
+    reserve_full_prompt: bool = True,
+    enable_prompt_tokens_details: bool = False,
+    kv_events: KVEventsConfig | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
     host: str = "127.0.0.1",
     port: int = 0,
     faults: Faults | None = None,
     **fault_knobs: Any,
 ) -> AsyncIterator[EmulatorHandle]:
-    """Serve an emulated replica on loopback inside the running event loop.
+    """Serve an emulated replica on loopback inside the running event loop. Defaults are
+    vLLM's (fcfs, no cached_tokens in usage, no KV events); a platform replica wants
+    ``contracts.replica_flags``' settings.
 
     ``fault_knobs`` are ``Faults`` fields (``fail_after_tokens=3``, ``refuse_503=True``...).
     """
@@ -113,9 +121,14 @@ async def running_emulator(
             kv_capacity_tokens=kv_capacity_tokens,
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
+            reserve_full_prompt=reserve_full_prompt,
         ),
         seed=seed,
         faults=knobs,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
+        kv_events=kv_events,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
         host=host,
         port=port,
     )

@@ -10,6 +10,10 @@ Rules (the gateway's fast estimator is designed to be conservative against exact
   token, ``<|end_header_id|>``, ``<|eot_id|>``) plus its content's tokens; the generation prompt
   that primes the assistant's reply adds 3 (``<|start_header_id|>``, ``assistant``,
   ``<|end_header_id|>``). So ``count = sum(4 + content_tokens(m)) + 3``.
+* **Tools.** With ``tools``, one more block (4 template tokens) holds their definitions as
+  JSON (``json.dumps(tools)``), before the messages, as Llama 3.1's template renders them.
+  An assistant message's ``tool_calls`` add, per call, the tokens of its function name and
+  of its ``arguments`` text; a ``tool`` message is its content like any other.
 * **Content parts.** A list content is the concatenation of its ``{"type":"text"}`` parts, each
   tokenized separately. A null content has no tokens.
 * **Raw prompts** (``/tokenize`` with ``prompt``) get the content rule plus one BOS token when
@@ -25,6 +29,7 @@ Speed: a 128k-token prompt (~400 KB) tokenizes in tens of milliseconds because w
 
 from __future__ import annotations
 
+import json
 import random
 import zlib
 from collections.abc import Iterable, Sequence
@@ -137,10 +142,19 @@ class Tokenizer:
     # -- chat template -------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: Sequence[Any], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Any] | None = None,
     ) -> list[int]:
         """Prompt token ids of a chat request; raises MessageFormatError on malformed input."""
         ids: list[int] = []
+        if tools:
+            ids.append(START_HEADER_ID)
+            ids.append(_ROLE_IDS["system"])
+            ids.append(END_HEADER_ID)
+            self.encode_text(tools_text(tools), ids)
+            ids.append(EOT_ID)
         for index, message in enumerate(messages):
             if not isinstance(message, dict):
                 raise MessageFormatError(
@@ -155,6 +169,8 @@ class Tokenizer:
             ids.append(role_token_id(role))
             ids.append(END_HEADER_ID)
             for text in _content_texts(message.get("content"), index):
+                self.encode_text(text, ids)
+            for text in _tool_call_texts(message.get("tool_calls"), index):
                 self.encode_text(text, ids)
             ids.append(EOT_ID)
         if add_generation_prompt:
@@ -191,6 +207,8 @@ class Tokenizer:
             out.append(_SPECIAL_STRS[END_HEADER_ID])
             for text in _content_texts(message.get("content"), index):
                 out.extend(self.piece_strs(text))
+            for text in _tool_call_texts(message.get("tool_calls"), index):
+                out.extend(self.piece_strs(text))
             out.append(_SPECIAL_STRS[EOT_ID])
         if add_generation_prompt:
             out.extend((_SPECIAL_STRS[START_HEADER_ID], "assistant", _SPECIAL_STRS[END_HEADER_ID]))
@@ -204,6 +222,34 @@ class Tokenizer:
     def decode_output(token_ids: Iterable[int]) -> str:
         vocab = output_vocab()
         return "".join(vocab[t] for t in token_ids)
+
+
+def tools_text(tools: Sequence[Any]) -> str:
+    return json.dumps(list(tools), ensure_ascii=False)
+
+
+def _tool_call_texts(calls: Any, index: int) -> list[str]:
+    """An assistant message's earlier tool calls: each one's name and arguments text."""
+    if calls is None:
+        return []
+    where = f"messages.{index}.tool_calls"
+    if not isinstance(calls, list):
+        raise MessageFormatError("tool_calls must be a list", where)
+    texts: list[str] = []
+    for call_index, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise MessageFormatError(
+                "a tool call needs a 'function' object", f"{where}.{call_index}.function"
+            )
+        name, arguments = function.get("name"), function.get("arguments")
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            raise MessageFormatError(
+                "a tool call's function needs a string 'name' and string 'arguments'",
+                f"{where}.{call_index}.function",
+            )
+        texts += [name, arguments]
+    return texts
 
 
 def _content_texts(content: Any, index: int) -> list[str]:

@@ -1,7 +1,7 @@
-"""Synthetic workloads in model time: the design's token shape and an open-loop runner.
+"""Synthetic workloads in model time: the platform's token shape and an open-loop runner.
 
-For tests and benches that drive an ``Engine`` directly (no HTTP, no wall clock). The token
-shape is design §2: prompt p50 800 / p95 6,000 and output p50 300 / p95 1,200, both fitted as
+For tests and benches that drive an ``Engine`` directly (no HTTP, no wall clock). The token shape
+is docs/design.md §2: prompt p50 800 / p95 6,000 and output p50 300 / p95 1,200, both fitted as
 lognormals (median m, sigma = ln(p95/m) / 1.645). Output lengths come from the engine's own
 natural-end draw, so only prompts are sampled here.
 """

@@ -84,8 +84,10 @@ def _flatten(detail: Any, prefix: str = "") -> list[tuple[str, str, str]]:
 
 def _translate(exc: Exception) -> Exception:
     if isinstance(exc, DjangoValidationError):
-        detail = exc.message_dict if hasattr(exc, "error_dict") else exc.messages
-        return exceptions.ValidationError(get_error_detail(DjangoValidationError(detail)))
+        if not hasattr(exc, "error_dict"):
+            # Non-field errors keep their codes (a service's ``code="too_many_keys"``).
+            return exceptions.ValidationError(get_error_detail(exc))
+        return exceptions.ValidationError(get_error_detail(DjangoValidationError(exc.message_dict)))
     if isinstance(exc, Http404 | ObjectDoesNotExist):
         return exceptions.NotFound()
     if isinstance(exc, DjangoPermissionDenied):

@@ -15,17 +15,27 @@ import dj_database_url
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
 
-# Development defaults. Production settings refuse to start while any of these is in use,
-# so they are safe to keep in the source.
-DEV_SECRET_KEY = "fairway-dev-secret-key-not-for-production-0123456789abcdefghijklmnop"  # noqa: S105
-DEV_KEY_PEPPER = "fairway-dev-key-pepper-not-secret"
-DEV_CACHE_SALT_KEY = "fairway-dev-cache-salt-key-not-secret"
-DEFAULT_SQLITE_URL = f"sqlite:///{VAR_DIR / 'fairway.sqlite3'}"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+# The development secrets and Redis URL are shared with the gateway: contracts/defaults.py.
+# The development database on the machine's PostgreSQL (`make up` creates it, or points
+# DATABASE_URL at an embedded server where none runs).
+DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/fairway_dev"
 DEFAULT_KAFKA_BOOTSTRAP = "127.0.0.1:9092"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+
+
+def default_settings_module() -> str:
+    """What every entry point uses when DJANGO_SETTINGS_MODULE is unset: production settings
+    under FAIRWAY_ENV=production (whose checks refuse development secrets), else local ones.
+    A production host that forgot DJANGO_SETTINGS_MODULE must not run with DEBUG and the
+    development keys."""
+    env = os.environ.get("FAIRWAY_ENV", "").strip().lower()
+    return "fairway.settings.production" if env == "production" else "fairway.settings.local"
+
+
+def set_default_settings_module() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", default_settings_module())
 
 
 class EnvError(ValueError):
@@ -71,13 +81,13 @@ def env_list(name: str, default: list[str] | None = None) -> list[str]:
 
 
 def database_config(url: str, *, conn_max_age: int = 60) -> dict[str, Any]:
-    """A Django DATABASES entry from a URL (postgres://, sqlite:///...)."""
+    """A Django DATABASES entry from a postgres:// URL.
+
+    PostgreSQL only: ``request_log`` is a table partitioned by day, which SQLite cannot do.
+    """
     config: dict[str, Any] = dict(
         dj_database_url.parse(url, conn_max_age=conn_max_age, conn_health_checks=True)
     )
-    if config["ENGINE"] == "django.db.backends.sqlite3":
-        # SQLite holds one writer; a long-lived connection per thread is fine, and the
-        # file's directory must exist before Django opens it.
-        Path(config["NAME"]).parent.mkdir(parents=True, exist_ok=True)
-        config["CONN_MAX_AGE"] = 0
+    if config["ENGINE"] != "django.db.backends.postgresql":
+        raise EnvError(f"DATABASE_URL must be a postgres:// URL, not {url.split(':', 1)[0]}://")
     return config

@@ -8,11 +8,11 @@ GATEWAY_SPOOL_DIR, GATEWAY_DRAIN_DEADLINE_S, GATEWAY_UPSTREAM_*_TIMEOUT_S, …
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from fairway import logs as fairway_logs
 from gateway.config import ConfigError, GatewayConfig
-from gateway.supervisor import Supervisor, worker_main
+from gateway.serving.supervisor import Supervisor, worker_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,10 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--access-log", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
-    )
+    fairway_logs.configure(args.log_level)  # LOG_FORMAT=json: JSON lines with the request id
     try:
         config = GatewayConfig.from_env()  # fail fast, before any worker starts
     except ConfigError as exc:
@@ -36,10 +33,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if config.metrics_port is not None and (
+        config.metrics_port == args.port or config.metrics_port > 65535
+    ):
+        parser.error("GATEWAY_METRICS_PORT must be a port other than --port")
     if args.workers == 1:
-        from gateway.supervisor import bind_socket
+        from gateway.serving.supervisor import bind_socket
 
-        worker_main(bind_socket(args.host, args.port), args.log_level, args.access_log)
+        metrics_sock = bind_socket(args.host, config.metrics_port) if config.metrics_port else None
+        worker_main(
+            bind_socket(args.host, args.port), args.log_level, args.access_log, metrics_sock
+        )
         return 0
     return Supervisor(
         host=args.host,
@@ -48,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         drain_deadline_s=config.drain_deadline_s,
         log_level=args.log_level,
         access_log=args.access_log,
+        metrics_port=config.metrics_port,
     ).run()
 
 

@@ -97,10 +97,13 @@ class Unprocessable(ApiError):
 
 
 class RateLimited(ApiError):
-    """429: the tenant's quota. The customer can fix it by slowing down (§3)."""
+    """429: the tenant's quota. The customer can fix it by slowing down (docs/design.md §3)."""
 
     status = 429
     type = "rate_limit_error"
+    # When the limit itself frees, in seconds, without the Retry-After's jitter (None: not
+    # known). What the recently-refused memory may rely on: past it the store would admit.
+    frees_in_s: float | None = None
 
 
 class UpstreamError(ApiError):
@@ -111,7 +114,8 @@ class UpstreamError(ApiError):
 
 
 class Unavailable(ApiError):
-    """503: our capacity, not the customer's quota; always with a jittered Retry-After (R6)."""
+    """503: our capacity, not the customer's quota; always with a jittered Retry-After
+    (docs/design.md R6)."""
 
     status = 503
     type = "server_error"
@@ -128,7 +132,7 @@ def jittered_retry_after(
     """``retry-after`` / ``retry-after-ms`` drawn uniformly from [base, base + spread].
 
     Every response gets its own draw so that clients told to wait do not return at one
-    instant (R6: an unjittered Retry-After creates the herd it was meant to prevent).
+    instant (docs/design.md R6: an unjittered Retry-After creates the herd it was meant to prevent).
     """
     delay = base_s + (rng or random).uniform(0.0, spread_s)
     return {"retry-after": str(max(1, round(delay))), "retry-after-ms": str(int(delay * 1000))}

@@ -24,9 +24,16 @@ OVERHEAD_BUCKETS = (
 )  # fmt: skip
 
 
+OTHER_TENANTS = "other"
+
+
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, max_tenant_labels: int = 1000) -> None:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        # Tenants that get their own series; any further tenant is counted under "other",
+        # so the series count stays bounded whatever the number of tenants.
+        self._tenant_labels: set[str] = set()
+        self._max_tenant_labels = max_tenant_labels
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -80,6 +87,15 @@ class GatewayMetrics:
             ["model", "finish_reason"],
             registry=r,
         )
+        self.usage_source = Counter(
+            "fairway_gateway_usage_source",
+            "Usage events by where their token counts came from: final (the replica's usage"
+            " chunk), continuous (its last per-chunk counts: a stream cut off before the"
+            " usage chunk), estimate (the prompt estimate and the relayed chunk count),"
+            " none (nothing produced).",
+            ["source"],
+            registry=r,
+        )
         self.inflight = Gauge(
             "fairway_gateway_inflight_requests",
             "Requests currently relayed.",
@@ -94,12 +110,50 @@ class GatewayMetrics:
         )
         self.spool_depth = Gauge(
             "fairway_gateway_usage_spool_depth",
-            "Usage events written locally, not yet acknowledged by Kafka.",
+            "Spool lines (usage events and in-flight marks) not yet passed by the sender.",
             registry=r,
             multiprocess_mode="livesum",
         )
+        self.spool_unwritten = Gauge(
+            "fairway_gateway_usage_spool_unwritten_events",
+            "Usage events emitted but not yet written to the spool (held while it cannot write).",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.spool_writable = Gauge(
+            "fairway_gateway_usage_spool_writable",
+            "0 while the usage spool has failed to take events past the unhealthy bound "
+            "(a degraded dependency: the events wait in memory; readiness holds), else 1.",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.broker_up = Gauge(
+            "fairway_gateway_usage_broker_up",
+            "0 while this process's last delivery to Kafka failed (events wait in the "
+            "spool), else 1; 1 also when no broker is configured.",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.ready = Gauge(
+            "fairway_gateway_ready",
+            "1 while this process is ready to serve (what /readyz answers), else 0.",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.redis_up = Gauge(
+            "fairway_gateway_redis_up",
+            "1 while the Redis of a role (readmodel, limits, idempotency) answered this "
+            "process's last probe, else 0.",
+            ["role"],
+            registry=r,
+            multiprocess_mode="livemin",
+        )
         self.usage_events = Counter(
-            "fairway_gateway_usage_events", "Usage events by delivery step.", ["step"], registry=r
+            "fairway_gateway_usage_events",
+            "Usage events by step: emitted, delivered, quarantined (a spooled line that is "
+            "not an event, moved aside).",
+            ["step"],
+            registry=r,
         )
         self.auth_cache = Counter(
             "fairway_gateway_readmodel_cache",
@@ -120,6 +174,12 @@ class GatewayMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.scrapes = Counter(
+            "fairway_gateway_replica_scrapes",
+            "Successful /metrics scrapes of replicas (what routing last saw of each).",
+            ["replica"],
+            registry=r,
+        )
         self.scrape_failures = Counter(
             "fairway_gateway_replica_scrape_failures",
             "Failed /metrics scrapes of replicas.",
@@ -129,6 +189,22 @@ class GatewayMetrics:
         self.idempotency = Counter(
             "fairway_gateway_idempotency", "Idempotency-Key outcomes.", ["result"], registry=r
         )
+        self.retries = Counter(
+            "fairway_gateway_retries",
+            "Requests counted as retries (by: idempotency, memory, shared), and those only the "
+            "client's x-stainless-retry-count called one (by=unconfirmed; never counted); "
+            "header: whether the client said it retried (claimed, absent).",
+            ["by", "header"],
+            registry=r,
+        )
+
+    def tenant_label(self, tenant_id: str) -> str:
+        if tenant_id in self._tenant_labels or tenant_id == "-":
+            return tenant_id
+        if len(self._tenant_labels) < self._max_tenant_labels:
+            self._tenant_labels.add(tenant_id)
+            return tenant_id
+        return OTHER_TENANTS
 
     def render(self) -> bytes:
         if self.multiprocess:
@@ -136,3 +212,93 @@ class GatewayMetrics:
             MultiProcessCollector(registry)
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+class AdmissionMetrics:
+    """Admission's own series, registered on the gateway's registry (multiprocess-safe)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.decisions = Counter(
+            "fairway_admission_decisions",
+            "Admission outcomes by plan class.",
+            ["admission_class", "outcome"],
+            registry=r,
+        )
+        self.redis_up_gauge = Gauge(
+            "fairway_admission_limits_store_up",
+            "1 while the limits store (Redis) answers; 0: rates fail open, KV fails closed.",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.fail_open_total = Counter(
+            "fairway_admission_fail_open",
+            "Requests over a requests/tokens limit let through while Redis was unreachable.",
+            ["layer"],
+            registry=r,
+        )
+        self.fail_closed_total = Counter(
+            "fairway_admission_fail_closed",
+            "KV·seconds decisions taken on the conservative local cap (Redis unreachable).",
+            ["result"],
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "fairway_admission_store_errors",
+            "Limits-store calls that failed and sent admission to its local fallback, by "
+            "kind: unreachable, timeout, or the error a reachable store answered (oom, "
+            "loading, busy, misconf, readonly, masterdown, noreplicas).",
+            ["kind"],
+            registry=r,
+        )
+        self.reclaimed = Counter(
+            "fairway_admission_leases_reclaimed",
+            "Unrenewed in-flight leases (a dead gateway's) reclaimed.",
+            registry=r,
+        )
+        self.lost = Counter(
+            "fairway_admission_leases_lost",
+            "This gateway's leases found reclaimed at renewal (it was cut off > lease TTL).",
+            registry=r,
+        )
+        self.inflight_leases = Gauge(
+            "fairway_admission_inflight_leases",
+            "Leases held by this gateway.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.tpot_est = Gauge(
+            "fairway_admission_tpot_estimate_seconds",
+            "TPOT estimate used in est_kv (fleet p95 clamped to [target, 4 x target]), per model "
+            "version.",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.early = Counter(
+            "fairway_admission_early_dispatch",
+            "Upstream requests sent before their quota answer, by what became of them: kept, "
+            "cancelled (refused, or no answer), rerouted (the answer changed the class).",
+            ["outcome"],
+            registry=r,
+        )
+        self.redis_up_gauge.set(1)
+
+    # The LimiterStats protocol of gateway/admission/quota.py:
+    def redis_up(self, up: bool) -> None:
+        self.redis_up_gauge.set(1 if up else 0)
+
+    def fail_open(self, layer: str) -> None:
+        self.fail_open_total.labels(layer).inc()
+
+    def fail_closed(self, admitted: bool) -> None:
+        self.fail_closed_total.labels("admitted" if admitted else "refused").inc()
+
+    def leases_reclaimed(self, n: int) -> None:
+        self.reclaimed.inc(n)
+
+    def leases_lost(self, n: int) -> None:
+        self.lost.inc(n)
+
+    def store_error(self, kind: str) -> None:
+        self.store_errors.labels(kind).inc()

@@ -1,5 +1,10 @@
 """Management API (/api/v1/): tenants, members, API keys, limits. Thin views: validate,
-check the caller's role, call one service or selector, serialise."""
+check the caller's role, call one service or selector, serialise.
+
+Creating tenants and changing a tenant's plan, suspension or limits are the operators' (staff
+holding ``tenants.operate``, ``tenants.permissions``): checked before the tenant is looked
+up, so nobody else gets further than a 403 and nothing is written. Being staff is not enough.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,6 @@ from typing import Any
 from uuid import UUID
 
 from django.contrib.auth import get_user_model
-from django.core.exceptions import PermissionDenied
 from django.db.models import Q
 from django.http import Http404
 from drf_spectacular.utils import extend_schema
@@ -17,7 +21,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from catalog.models import ModelFamily, ModelVersion
-from gateway.schema import SCOPES
+from contracts.schema import SCOPES
 from tenants import selectors, services
 from tenants.models import LIMIT_FIELDS, ApiKey, Membership, Plan, Role
 
@@ -33,7 +37,11 @@ class TenantOutput(serializers.Serializer):
     suspended = serializers.BooleanField(source="is_suspended")
     suspended_at = serializers.DateTimeField(allow_null=True)
     created_at = serializers.DateTimeField()
-    role = serializers.SerializerMethodField()
+    role = serializers.SerializerMethodField(
+        help_text="The caller's role in the tenant: their membership's role; on a single "
+        "tenant, 'operator' for an operator; null in the list for a tenant they are not a "
+        "member of."
+    )
 
     def get_role(self, tenant: Any) -> str | None:
         return self.context.get("roles", {}).get(tenant.id)
@@ -56,8 +64,7 @@ class TenantListApi(APIView):
 
     @extend_schema(request=TenantCreateInput, responses={201: TenantOutput})
     def post(self, request: Request) -> Response:
-        if not request.user.is_staff:
-            raise PermissionDenied("Only operators may create tenants.")
+        selectors.require_operator(user=request.user, action="create tenants")
         data = _valid(self.TenantCreateInput, request)
         owner = _user_by_login(data["owner"], field="owner") if data.get("owner") else None
         tenant = services.tenant_create(
@@ -85,11 +92,13 @@ class TenantDetailApi(APIView):
 
     @extend_schema(request=TenantUpdateInput, responses=TenantOutput)
     def patch(self, request: Request, tenant_id: UUID) -> Response:
-        access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
-        access.require(selectors.TENANT_EDITORS, "edit this tenant")
         data = _valid(self.TenantUpdateInput, request)
         if {"plan", "suspended"} & data.keys():
-            access.require_staff("change a tenant's plan or suspension")
+            selectors.require_operator(
+                user=request.user, action="change a tenant's plan or suspension"
+            )
+        access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
+        access.require(selectors.TENANT_EDITORS, "edit this tenant")
         tenant = access.tenant
         if "name" in data or "billing_email" in data:
             tenant = services.tenant_update(
@@ -119,7 +128,7 @@ class MemberOutput(serializers.Serializer):
 
 
 def _check_owner_change(access: selectors.TenantAccess, *roles: str) -> None:
-    """Only owners (or staff) may grant, change or remove the owner role."""
+    """Only owners (or operators) may grant, change or remove the owner role."""
     if Role.OWNER in roles:
         access.require((Role.OWNER,), "grant, change or remove the owner role")
 
@@ -205,6 +214,10 @@ class KeyCreatedOutput(KeyOutput):
     secret = serializers.CharField(help_text="Shown once; it cannot be recovered.")
 
 
+DEFAULT_PAGE = 100
+MAX_PAGE = 500
+
+
 class KeyListApi(APIView):
     class KeyCreateInput(serializers.Serializer):
         name = serializers.CharField(max_length=100)
@@ -220,11 +233,27 @@ class KeyListApi(APIView):
         )
         expires_at = serializers.DateTimeField(allow_null=True, default=None)
 
-    @extend_schema(responses=KeyOutput(many=True))
+    class KeyPageInput(serializers.Serializer):
+        limit = serializers.IntegerField(min_value=1, max_value=MAX_PAGE, default=DEFAULT_PAGE)
+        offset = serializers.IntegerField(min_value=0, default=0)
+
+    @extend_schema(parameters=[KeyPageInput], responses=KeyOutput(many=True))
     def get(self, request: Request, tenant_id: UUID) -> Response:
+        """One page of keys, newest first (``limit``/``offset``); the body stays a list, the
+        total is in ``X-Total-Count`` and the next page in a ``Link: rel="next"`` header."""
         access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
         access.require(selectors.KEY_READERS, "see API keys")
-        return Response(KeyOutput(selectors.api_key_list(tenant=access.tenant), many=True).data)
+        page = self.KeyPageInput(data=request.query_params)
+        page.is_valid(raise_exception=True)
+        limit, offset = page.validated_data["limit"], page.validated_data["offset"]
+        keys = selectors.api_key_list(tenant=access.tenant)
+        total = keys.count()
+        response = Response(KeyOutput(keys[offset : offset + limit], many=True).data)
+        response["X-Total-Count"] = str(total)
+        if offset + limit < total:
+            url = request.build_absolute_uri(request.path)
+            response["Link"] = f'<{url}?limit={limit}&offset={offset + limit}>; rel="next"'
+        return response
 
     @extend_schema(request=KeyCreateInput, responses={201: KeyCreatedOutput})
     def post(self, request: Request, tenant_id: UUID) -> Response:
@@ -263,6 +292,93 @@ class KeyRevokeApi(APIView):
         return Response(KeyOutput(api_key).data)
 
 
+# -- per-key limits -----------------------------------------------------------------------
+
+MAX_LIMIT = 2**62  # keeps every value inside a PostgreSQL bigint
+
+
+class KeyLimitOutput(serializers.Serializer):
+    model = serializers.CharField(source="family")
+    rpm = serializers.IntegerField(allow_null=True, help_text="The key's own; null: none.")
+    tpm = serializers.IntegerField(allow_null=True)
+    max_concurrency = serializers.IntegerField(allow_null=True, help_text="Requests in flight.")
+    effective_rpm = serializers.IntegerField(
+        help_text="What binds: the smaller of the key's and the tenant's (0: unlimited)."
+    )
+    effective_tpm = serializers.IntegerField()
+
+
+def _model_family(value: str) -> ModelFamily:
+    family = selectors.family_get(name=value)
+    if family is not None:
+        return family
+    version = ModelVersion.objects.filter(name=value).select_related("family").first()
+    if version is not None:
+        raise serializers.ValidationError(
+            f"Limits are set per model family; use '{version.family.name}'."
+        )
+    raise serializers.ValidationError(f"Unknown model '{value}'.", code="model_not_found")
+
+
+class KeyLimitListApi(APIView):
+    """A key's own limits per model family, inside its tenant's: whoever may see the key
+    reads them; owners and admins change them."""
+
+    class KeyLimitSetInput(serializers.Serializer):
+        model = serializers.CharField(help_text="Model family, e.g. llama-70b.")
+        rpm = serializers.IntegerField(min_value=1, max_value=2**31 - 1, allow_null=True,
+                                       default=None)  # fmt: skip
+        tpm = serializers.IntegerField(min_value=1, max_value=MAX_LIMIT, allow_null=True,
+                                       default=None)  # fmt: skip
+        max_concurrency = serializers.IntegerField(
+            min_value=1, max_value=2**31 - 1, allow_null=True, default=None
+        )
+
+        def validate_model(self, value: str) -> ModelFamily:
+            return _model_family(value)
+
+    @extend_schema(responses=KeyLimitOutput(many=True))
+    def get(self, request: Request, tenant_id: UUID, key_id: UUID) -> Response:
+        access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
+        access.require(selectors.KEY_READERS, "see key limits")
+        api_key = selectors.api_key_get(tenant=access.tenant, key_id=key_id)
+        limits = selectors.api_key_limit_list(api_key=api_key)
+        return Response(KeyLimitOutput(limits, many=True).data)
+
+    @extend_schema(request=KeyLimitSetInput, responses=KeyLimitOutput)
+    def post(self, request: Request, tenant_id: UUID, key_id: UUID) -> Response:
+        """Set the key's limits for one family, replacing what it had there."""
+        access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
+        access.require(selectors.KEY_WRITERS, "change key limits")
+        api_key = selectors.api_key_get(tenant=access.tenant, key_id=key_id)
+        data = _valid(self.KeyLimitSetInput, request)
+        family = data.pop("model")
+        services.api_key_limit_set(api_key=api_key, family=family, **data)
+        limit = selectors.api_key_limit_get(api_key=api_key, family=family.name)
+        return Response(KeyLimitOutput(limit).data)
+
+
+class KeyLimitDetailApi(APIView):
+    @extend_schema(responses=KeyLimitOutput)
+    def get(self, request: Request, tenant_id: UUID, key_id: UUID, model: str) -> Response:
+        access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
+        access.require(selectors.KEY_READERS, "see key limits")
+        api_key = selectors.api_key_get(tenant=access.tenant, key_id=key_id)
+        limit = selectors.api_key_limit_get(api_key=api_key, family=model)
+        return Response(KeyLimitOutput(limit).data)
+
+    @extend_schema(responses={204: None})
+    def delete(self, request: Request, tenant_id: UUID, key_id: UUID, model: str) -> Response:
+        """Drop the key's own limits for the family: only the tenant's apply again."""
+        access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
+        access.require(selectors.KEY_WRITERS, "change key limits")
+        api_key = selectors.api_key_get(tenant=access.tenant, key_id=key_id)
+        family = selectors.family_get(name=model)
+        if family is None or not services.api_key_limit_clear(api_key=api_key, family=family):
+            raise Http404
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
 # -- limits -------------------------------------------------------------------------------
 
 
@@ -277,9 +393,6 @@ class LimitOutput(serializers.Serializer):
     reserved_kv = serializers.IntegerField(help_text="GiB·s")
 
 
-MAX_LIMIT = 2**62  # keeps every value inside a PostgreSQL bigint
-
-
 class LimitListApi(APIView):
     class LimitSetInput(serializers.Serializer):
         model = serializers.CharField(help_text="Model family, e.g. llama-70b.")
@@ -291,15 +404,7 @@ class LimitListApi(APIView):
         reserved_kv = serializers.IntegerField(min_value=0, max_value=MAX_LIMIT, required=False)
 
         def validate_model(self, value: str) -> ModelFamily:
-            family = selectors.family_get(name=value)
-            if family is not None:
-                return family
-            version = ModelVersion.objects.filter(name=value).select_related("family").first()
-            if version is not None:
-                raise serializers.ValidationError(
-                    f"Limits are set per model family; use '{version.family.name}'."
-                )
-            raise serializers.ValidationError(f"Unknown model '{value}'.", code="model_not_found")
+            return _model_family(value)
 
     @extend_schema(responses=LimitOutput(many=True))
     def get(self, request: Request, tenant_id: UUID) -> Response:
@@ -310,8 +415,8 @@ class LimitListApi(APIView):
     @extend_schema(request=LimitSetInput, responses=LimitOutput)
     def post(self, request: Request, tenant_id: UUID) -> Response:
         """Set the tenant's override for one model family (fields not given are kept)."""
+        selectors.require_operator(user=request.user, action="change limits")
         access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
-        access.require_staff("change limits")
         data = _valid(self.LimitSetInput, request)
         family = data.pop("model")
         values = {name: data[name] for name in LIMIT_FIELDS if name in data}
@@ -330,8 +435,8 @@ class LimitDetailApi(APIView):
     @extend_schema(responses={204: None})
     def delete(self, request: Request, tenant_id: UUID, model: str) -> Response:
         """Drop the tenant's override: the plan default applies again."""
+        selectors.require_operator(user=request.user, action="change limits")
         access = selectors.tenant_access(user=request.user, tenant_id=tenant_id)
-        access.require_staff("change limits")
         family = selectors.family_get(name=model)
         if family is None or not services.tenant_limit_clear(tenant=access.tenant, family=family):
             raise Http404

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
+from decimal import Decimal
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -17,7 +18,7 @@ from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
 
-from gateway.schema import ADMISSION_CLASSES, SCOPES
+from contracts.schema import ADMISSION_CLASSES, SCOPES
 
 
 class Role(models.TextChoices):
@@ -32,7 +33,7 @@ LIMIT_FIELDS = ("rpm", "tpm", "max_context", "max_output", "kv_seconds_cap", "re
 
 
 class LimitFields(models.Model):
-    """The limits the gateway enforces per tenant per model family (design §4, §6)."""
+    """The limits the gateway enforces per tenant per model family (docs/design.md §4, §6)."""
 
     rpm = models.IntegerField("requests/min", validators=NON_NEGATIVE)
     tpm = models.BigIntegerField("tokens/min", validators=NON_NEGATIVE)
@@ -108,14 +109,19 @@ class LimitFields(models.Model):
         """The plan whose admission class governs this row (None while unset)."""
         return None
 
-    def limit_values(self) -> dict[str, int]:
-        return {name: int(getattr(self, name)) for name in LIMIT_FIELDS}
-
 
 class Plan(models.Model):
     name = models.SlugField(max_length=50, unique=True)
     display_name = models.CharField(max_length=100, blank=True)
     admission_class = models.CharField(max_length=16, choices=[(c, c) for c in ADMISSION_CLASSES])
+    # A flat monthly fee invoiced on top of usage (no proration: the plan the tenant holds
+    # when the month's invoice is built or finalized is the one charged).
+    base_fee = models.DecimalField(
+        max_digits=12, decimal_places=2, default=Decimal(0), validators=NON_NEGATIVE
+    )
+    currency = models.CharField(
+        max_length=3, default="usd", help_text="ISO 4217, lower case; the invoices' currency."
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -124,6 +130,9 @@ class Plan(models.Model):
             models.CheckConstraint(
                 condition=Q(admission_class__in=ADMISSION_CLASSES),
                 name="tenants_plan_admission_class_valid",
+            ),
+            models.CheckConstraint(
+                condition=Q(base_fee__gte=0), name="tenants_plan_base_fee_non_negative"
             ),
         ]
 
@@ -173,6 +182,10 @@ class Tenant(models.Model):
 
     class Meta:
         ordering = ["name"]
+        # The operator's permission, tenants.operate (tenants.permissions says what it opens).
+        permissions = [
+            ("operate", "Operate tenants and the fleet: plans, limits, suspension, keys, replicas"),
+        ]
         constraints = [
             models.UniqueConstraint(
                 fields=["stripe_customer_id"],
@@ -293,3 +306,78 @@ class TenantModelLimit(LimitFields):
 
     def limit_plan(self) -> Plan | None:
         return self.tenant.plan if self.tenant_id else None
+
+
+class ApiKeyModelLimit(models.Model):
+    """An API key's own limits for one model family, inside its tenant's.
+
+    Each value is optional (null: the key adds no limit of that kind). A key limit may not be
+    set above the tenant's effective limit at the time it is set. The gateway enforces the
+    key's limits *and* the tenant's, so if the tenant's limit is lowered later the key's
+    effective limit is the smaller of the two; the stored key value is left as it was and
+    binds again if the tenant's limit is raised. The concurrency cap (requests in flight at
+    once) has no tenant counterpart.
+    """
+
+    api_key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="model_limits")
+    family = models.ForeignKey(
+        "catalog.ModelFamily", on_delete=models.CASCADE, related_name="key_limits"
+    )
+    rpm = models.PositiveIntegerField(
+        "requests/min", null=True, blank=True, validators=[MinValueValidator(1)]
+    )
+    tpm = models.PositiveBigIntegerField(
+        "tokens/min", null=True, blank=True, validators=[MinValueValidator(1)]
+    )
+    max_concurrency = models.PositiveIntegerField(
+        "requests in flight", null=True, blank=True, validators=[MinValueValidator(1)]
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["family__name"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["api_key", "family"],
+                name="tenants_apikeymodellimit_one_per_family",
+                violation_error_message="This key already has limits for this model.",
+            ),
+            models.CheckConstraint(
+                condition=(Q(rpm__isnull=True) | Q(rpm__gte=1))
+                & (Q(tpm__isnull=True) | Q(tpm__gte=1))
+                & (Q(max_concurrency__isnull=True) | Q(max_concurrency__gte=1)),
+                name="tenants_apikeymodellimit_positive",
+            ),
+            models.CheckConstraint(
+                condition=Q(rpm__isnull=False)
+                | Q(tpm__isnull=False)
+                | Q(max_concurrency__isnull=False),
+                name="tenants_apikeymodellimit_not_empty",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.api_key} / {self.family}"
+
+    def clean(self) -> None:
+        if self.rpm is None and self.tpm is None and self.max_concurrency is None:
+            raise ValidationError("Give at least one of rpm, tpm and max_concurrency.")
+        if not self.api_key_id or not getattr(self, "family_id", None):
+            return
+        from tenants.limits import effective_limits  # tenants.limits imports this module
+
+        tenant_limit = effective_limits(self.api_key.tenant).get(self.family.name)
+        if tenant_limit is None:
+            raise ValidationError(
+                {"family": f"The tenant cannot use {self.family.name}, so its keys cannot either."}
+            )
+        errors: dict[str, str] = {}
+        for name, label in (("rpm", "requests/min"), ("tpm", "tokens/min")):
+            value, ceiling = getattr(self, name), getattr(tenant_limit, name)
+            if value is not None and ceiling > 0 and value > ceiling:  # tenant 0 = unlimited
+                errors[name] = (
+                    f"A key's {label} cannot exceed its tenant's limit for "
+                    f"{self.family.name} ({ceiling})."
+                )
+        if errors:
+            raise ValidationError(errors)

@@ -1,4 +1,4 @@
-"""The gateway's read model in Redis: build records with gateway.schema, diff, write, announce.
+"""The gateway's read model in Redis: build records with contracts.schema, diff, write, announce.
 
 Writes happen after the database transaction commits (see ``readmodel_hooks``), always
 re-reading committed state, under one Redis lock so that two concurrent pushes cannot leave
@@ -12,6 +12,7 @@ time without a push).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -24,9 +25,10 @@ from django.db.models import Prefetch, Q
 from django.utils import timezone
 
 from catalog.models import ModelVersion, Replica
-from gateway import schema
+from contracts import schema
+from contracts.publish import publish_change
 from tenants.limits import effective_limits_for_tenants
-from tenants.models import ApiKey, Tenant
+from tenants.models import ApiKey, ApiKeyModelLimit, Tenant
 
 log = logging.getLogger("fairway.readmodel")
 
@@ -59,14 +61,35 @@ def _unix(at: datetime | None) -> int | None:
 
 
 def key_record(
-    *, key_id: Any, tenant_id: Any, scopes: Iterable[str], expires_at: datetime | None
+    *,
+    key_id: Any,
+    tenant_id: Any,
+    scopes: Iterable[str],
+    expires_at: datetime | None,
+    limits: dict[str, schema.KeyLimitRecord] | None = None,
 ) -> schema.KeyRecord:
     return schema.KeyRecord(
         key_id=str(key_id),
         tenant_id=str(tenant_id),
         scopes=tuple(sorted(scopes)),
         expires_at=_unix(expires_at),
+        limits=dict(sorted((limits or {}).items())),
     )
+
+
+def key_limits_by_key(key_ids: Iterable[Any]) -> dict[Any, dict[str, schema.KeyLimitRecord]]:
+    """Each key's own limits per family (0: no key limit of that kind), in one query. The
+    key's record carries them, so the gateway has the key's and the tenant's limits from
+    the two records it already reads, and checks both in one admission round trip."""
+    out: dict[Any, dict[str, schema.KeyLimitRecord]] = {}
+    rows = ApiKeyModelLimit.objects.filter(api_key_id__in=list(key_ids)).values(
+        "api_key_id", "family__name", "rpm", "tpm", "max_concurrency"
+    )
+    for row in rows:
+        out.setdefault(row["api_key_id"], {})[row["family__name"]] = schema.KeyLimitRecord(
+            rpm=row["rpm"] or 0, tpm=row["tpm"] or 0, max_concurrency=row["max_concurrency"] or 0
+        )
+    return out
 
 
 def tenant_record(tenant: Tenant, limits: dict[str, Any]) -> schema.TenantRecord:
@@ -111,6 +134,14 @@ def catalog_record() -> schema.Catalog:
             kv_bytes_per_token=v.kv_bytes_per_token,
             tpot_target_ms=v.tpot_target_ms,
             kv_capacity_tokens=v.kv_capacity_tokens,
+            prefill_tokens_per_s=float(v.prefill_tokens_per_s),
+            ttft_target_ms=v.ttft_target_ms,
+            supports_tools=v.supports_tools,
+            tool_call_parser=v.tool_call_parser,
+            supports_structured_output=v.supports_structured_output,
+            max_n=v.max_n,
+            supports_logprobs=v.supports_logprobs,
+            max_top_logprobs=v.max_top_logprobs,
             replicas=tuple(
                 schema.ReplicaRecord(replica_id=r.name, base_url=r.base_url, pool=r.pool)
                 for r in v.replicas.all()
@@ -154,12 +185,15 @@ def desired_keys(
         if (key_hashes is not None or tenant_id is not None)
         else _usable_keys()
     )
-    for row in usable.values("id", "tenant_id", "key_hash", "scopes", "expires_at"):
+    rows = list(usable.values("id", "tenant_id", "key_hash", "scopes", "expires_at"))
+    limits = key_limits_by_key(row["id"] for row in rows)
+    for row in rows:
         record = key_record(
             key_id=row["id"],
             tenant_id=row["tenant_id"],
             scopes=row["scopes"],
             expires_at=row["expires_at"],
+            limits=limits.get(row["id"]),
         )
         wanted[schema.key_redis_key(row["key_hash"])] = Desired(
             schema.dumps(record), record.expires_at
@@ -206,18 +240,30 @@ def _change_for(redis_key: str, version: int) -> schema.Change:
     return schema.Change(kind="tenant", ident=ident, version=version)
 
 
-class ReadModel:
+class ReadModelPublisher:
     """Writes the read model to one Redis; one instance per Redis URL (see ``read_model``)."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
+        self.cluster = isinstance(client, redis.RedisCluster)
 
     @classmethod
-    def from_url(cls, url: str) -> ReadModel:
+    def from_url(cls, url: str, *, cluster: bool = False) -> ReadModelPublisher:
         timeout = float(getattr(settings, "REDIS_SOCKET_TIMEOUT", 5.0))
+        if cluster:
+            node: Any = redis.RedisCluster.from_url(
+                url, socket_timeout=timeout, socket_connect_timeout=timeout
+            )
+            return cls(node)
         return cls(
             redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         )
+
+    def _mget(self, keys: list[str]) -> list[Any]:
+        # On a cluster the records live in many slots: one MGET per slot.
+        if self.cluster:
+            return list(self.redis.mget_nonatomic(keys))  # type: ignore[attr-defined]
+        return list(self.redis.mget(keys))
 
     # Targeted pushes re-read committed state for the named entities only.
     def push_keys(self, key_hashes: Iterable[str]) -> PushResult:
@@ -241,13 +287,26 @@ class ReadModel:
         return self._push(desired_catalog)
 
     def rebuild(self) -> PushResult:
-        """Make Redis equal to the database: write what differs, delete what is stale."""
-        return self._push(desired_all, full=True)
+        """Make Redis equal to the database: write what differs, delete what is stale.
+
+        Then mark the model loaded: gateways answer "retry" (503) rather than "revoked"
+        (401) for unknown keys while the marker is absent (a restarted or flushed Redis).
+        """
+        result = self._push(desired_all, full=True)
+        self.redis.set(schema.LOADED_KEY, str(int(time.time())))
+        self.redis.delete(schema.REBUILD_REQUEST_KEY)
+        return result
+
+    def needs_rebuild(self) -> bool:
+        """The marker is gone (store restarted, flushed, evicted) or a gateway asked."""
+        return not self.redis.exists(schema.LOADED_KEY) or bool(
+            self.redis.exists(schema.REBUILD_REQUEST_KEY)
+        )
 
     def snapshot(self) -> dict[str, bytes]:
         """Every read-model record (not the version), for comparisons and debugging."""
         keys = [schema.CATALOG_KEY, *self._scan(KEY_PATTERN), *self._scan(TENANT_PATTERN)]
-        values = self.redis.mget(keys)
+        values = self._mget(keys)
         return {
             k: v.encode() if isinstance(v, str) else v
             for k, v in zip(keys, values, strict=True)
@@ -279,11 +338,13 @@ class ReadModel:
 
     def _diff(self, wanted: dict[str, Desired]) -> list[str]:
         keys = sorted(wanted)
-        current = self.redis.mget(keys) if keys else []
+        current = self._mget(keys) if keys else []
         return [k for k, cur in zip(keys, current, strict=True) if cur != wanted[k].value]
 
     def _write(self, wanted: dict[str, Desired], changed: list[str]) -> int:
-        pipe = self.redis.pipeline(transaction=True)
+        # One transaction on a single Redis; on a cluster (no MULTI across slots) the
+        # records first, then the version: the announcement follows both (layout rule 3).
+        pipe = self.redis.pipeline(transaction=not self.cluster)
         for key in changed:
             desired = wanted[key]
             if desired.value is None:
@@ -292,6 +353,9 @@ class ReadModel:
                 pipe.set(key, desired.value, exat=desired.expires_at)
             else:
                 pipe.set(key, desired.value)
+        if self.cluster:
+            pipe.execute()
+            return int(self.redis.incr(schema.VERSION_KEY))
         pipe.incr(schema.VERSION_KEY)
         return int(pipe.execute()[-1])
 
@@ -300,17 +364,24 @@ class ReadModel:
             changes = [schema.Change(kind="all", ident="", version=version)]
         else:
             changes = [_change_for(key, version) for key in changed]
+        if self.cluster:  # a cluster pipeline refuses PUBLISH: one call each (rule 4)
+            for change in changes:
+                publish_change(self.redis, change.kind, change.ident, change.version)
+            return
         pipe = self.redis.pipeline(transaction=False)
         for change in changes:
-            pipe.publish(schema.CHANGES_CHANNEL, schema.dumps(change))
+            publish_change(pipe, change.kind, change.ident, change.version)
         pipe.execute()
 
 
 @lru_cache(maxsize=4)
-def _read_model_for(url: str) -> ReadModel:
-    return ReadModel.from_url(url)
+def _read_model_for(url: str, cluster: bool) -> ReadModelPublisher:
+    return ReadModelPublisher.from_url(url, cluster=cluster)
 
 
-def read_model() -> ReadModel:
-    """The ReadModel for the configured REDIS_URL (cached per URL: tests switch URLs)."""
-    return _read_model_for(settings.REDIS_URL)
+def read_model() -> ReadModelPublisher:
+    """The ReadModelPublisher for the configured READMODEL_REDIS_URL (cached per URL: tests
+    switch URLs)."""
+    return _read_model_for(
+        settings.READMODEL_REDIS_URL, bool(getattr(settings, "REDIS_CLUSTER", False))
+    )

@@ -18,13 +18,13 @@ from django.db.models.signals import post_delete, post_save
 from django.dispatch import receiver
 
 from catalog.models import ModelFamily, ModelVersion, Replica
-from tenants.models import ApiKey, Plan, PlanModelLimit, Tenant, TenantModelLimit
-from tenants.readmodel import ReadModel, read_model
+from tenants.models import ApiKey, ApiKeyModelLimit, Plan, PlanModelLimit, Tenant, TenantModelLimit
+from tenants.readmodel import ReadModelPublisher, read_model
 
 log = logging.getLogger("fairway.readmodel")
 
 
-def push_on_commit(action: Callable[[ReadModel], object], what: str) -> None:
+def push_on_commit(action: Callable[[ReadModelPublisher], object], what: str) -> None:
     def run() -> None:
         try:
             action(read_model())
@@ -38,6 +38,17 @@ def push_on_commit(action: Callable[[ReadModel], object], what: str) -> None:
 def _api_key_changed(sender: type, instance: ApiKey, **kwargs: Any) -> None:
     key_hash = instance.key_hash
     push_on_commit(lambda rm: rm.push_keys([key_hash]), f"key {instance.prefix}")
+
+
+@receiver([post_save, post_delete], sender=ApiKeyModelLimit)
+def _api_key_limit_changed(sender: type, instance: ApiKeyModelLimit, **kwargs: Any) -> None:
+    # The key's limits ride in its record. Read the hash now: on a cascade the key row goes
+    # right after its limits, and the key's own delete signal pushes its absence.
+    key_hash = (
+        ApiKey.objects.filter(pk=instance.api_key_id).values_list("key_hash", flat=True).first()
+    )
+    if key_hash is not None:
+        push_on_commit(lambda rm: rm.push_keys([key_hash]), f"key {instance.api_key_id} limits")
 
 
 @receiver([post_save, post_delete], sender=Tenant)

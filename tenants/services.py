@@ -7,10 +7,10 @@ write path (see ``readmodel_hooks``).
 
 from __future__ import annotations
 
-import secrets
 import uuid
 from collections.abc import Iterable
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
@@ -20,11 +20,14 @@ from django.db import transaction
 from django.utils import timezone
 
 from catalog.models import ModelFamily
-from gateway.schema import API_KEY_PREFIX, SCOPES, hash_api_key
+from contracts import keyformat
+from contracts.schema import API_KEY_PREFIX, SCOPES, hash_api_key
+from tenants.floors import check_floors_after
 from tenants.limits import effective_limits
 from tenants.models import (
     LIMIT_FIELDS,
     ApiKey,
+    ApiKeyModelLimit,
     LimitFields,
     Membership,
     Plan,
@@ -34,7 +37,6 @@ from tenants.models import (
     TenantModelLimit,
 )
 
-SECRET_BYTES = 32  # secrets.token_urlsafe(32): 256 bits, 43 URL-safe characters
 VISIBLE_PREFIX_CHARS = 8
 
 
@@ -46,22 +48,47 @@ def key_pepper() -> bytes:
 
 
 @transaction.atomic
-def plan_create(*, name: str, admission_class: str, display_name: str = "") -> Plan:
-    plan = Plan(name=name, admission_class=admission_class, display_name=display_name)
+def plan_create(
+    *,
+    name: str,
+    admission_class: str,
+    display_name: str = "",
+    base_fee: Decimal = Decimal(0),
+    currency: str = "usd",
+) -> Plan:
+    plan = Plan(
+        name=name,
+        admission_class=admission_class,
+        display_name=display_name,
+        base_fee=base_fee,
+        currency=currency,
+    )
     plan.full_clean()
     plan.save()
     return plan
 
 
 @transaction.atomic
+def plan_set_base_fee(*, plan: Plan, base_fee: Decimal, currency: str | None = None) -> Plan:
+    """Takes effect on invoices built or finalized from now on; finalized ones keep theirs."""
+    plan.base_fee = base_fee
+    if currency is not None:
+        plan.currency = currency
+    plan.full_clean()
+    plan.save(update_fields=["base_fee", "currency"])
+    return plan
+
+
+@transaction.atomic
 def plan_limit_set(*, plan: Plan, family: ModelFamily, **values: int) -> PlanModelLimit:
-    """Create or replace a plan's default limits for one family (all fields required)."""
+    """Create or replace a plan's default limits for one family (all fields required).
+    Refused when it sells more reserved floor than the family's reserved pool carries."""
     row = PlanModelLimit.objects.filter(plan=plan, family=family).first() or PlanModelLimit(
         plan=plan, family=family
     )
     _assign_limits(row, values, required=row.pk is None)
     row.full_clean()
-    row.save()
+    check_floors_after(row.save, families=[family])
     return row
 
 
@@ -96,7 +123,7 @@ def tenant_limit_set(*, tenant: Tenant, family: ModelFamily, **values: int) -> T
     if not tenant.plan.is_reserved and "reserved_kv" not in values:
         row.reserved_kv = 0  # a floor left over from a former reserved plan does not apply
     row.full_clean()
-    row.save()
+    check_floors_after(row.save, families=[family])
     return row
 
 
@@ -140,9 +167,10 @@ def tenant_update(
 
 @transaction.atomic
 def tenant_change_plan(*, tenant: Tenant, plan: Plan) -> Tenant:
+    """Refused when the new plan's floors over-sell a family's reserved pool."""
     tenant.plan = plan
     tenant.full_clean()
-    tenant.save()
+    check_floors_after(tenant.save)
     return tenant
 
 
@@ -203,7 +231,8 @@ def membership_remove(*, membership: Membership) -> None:
 
 
 def api_key_generate_secret() -> str:
-    return API_KEY_PREFIX + secrets.token_urlsafe(SECRET_BYTES)
+    # Checksummed (contracts/keyformat.py): the gateway refuses a mistyped key offline.
+    return keyformat.mint()
 
 
 @transaction.atomic
@@ -218,6 +247,21 @@ def api_key_create(
     """Returns the key and its secret. The secret is not stored and cannot be shown again."""
     if expires_at is not None and expires_at <= timezone.now():
         raise ValidationError({"expires_at": "The expiry must be in the future."})
+    # Bounded per tenant (each key is a read-model record in every gateway's cache). The
+    # tenant row lock serialises concurrent creations, so the cap cannot be raced past.
+    Tenant.objects.select_for_update().filter(pk=tenant.pk).first()
+    cap = int(settings.FAIRWAY_MAX_KEYS_PER_TENANT)
+    live = (
+        ApiKey.objects.filter(tenant=tenant, revoked_at__isnull=True)
+        .exclude(expires_at__lte=timezone.now())
+        .count()
+    )
+    if live >= cap:
+        raise ValidationError(
+            f"This organization already has {live} API keys, the most allowed ({cap}); "
+            "revoke one first.",
+            code="too_many_keys",
+        )
     secret = api_key_generate_secret()
     scope_list = [scopes] if isinstance(scopes, str) else list(scopes)
     api_key = ApiKey(
@@ -259,3 +303,46 @@ def api_key_last_used_record(*, seen: dict[str, datetime]) -> int:
             ApiKey.objects.filter(pk=key_id).exclude(last_used_at__gte=at).update(last_used_at=at)
         )
     return updated
+
+
+# -- per-key limits -----------------------------------------------------------------------
+
+
+@transaction.atomic
+def api_key_limit_set(
+    *,
+    api_key: ApiKey,
+    family: ModelFamily,
+    rpm: int | None = None,
+    tpm: int | None = None,
+    max_concurrency: int | None = None,
+) -> ApiKeyModelLimit:
+    """Set a key's own limits for one family, replacing any it had (None: no key limit of
+    that kind). Refused above the tenant's effective limit, for a family the tenant cannot
+    use, and on a revoked key."""
+    key = ApiKey.objects.select_for_update().get(pk=api_key.pk)
+    if key.revoked_at is not None:
+        raise ValidationError("The key is revoked; its limits cannot change.")
+    row = ApiKeyModelLimit.objects.filter(api_key=key, family=family).first() or ApiKeyModelLimit(
+        api_key=key, family=family
+    )
+    row.rpm, row.tpm, row.max_concurrency = rpm, tpm, max_concurrency
+    try:
+        row.full_clean()
+    except ValidationError as exc:
+        # The API names the family "model"; the model field is "family".
+        if hasattr(exc, "error_dict") and "family" in exc.error_dict:
+            exc.error_dict["model"] = exc.error_dict.pop("family")
+        raise
+    row.save()
+    return row
+
+
+@transaction.atomic
+def api_key_limit_clear(*, api_key: ApiKey, family: ModelFamily) -> bool:
+    """Drop a key's own limits for one family: only the tenant's apply again."""
+    deleted = 0
+    for row in ApiKeyModelLimit.objects.filter(api_key=api_key, family=family):
+        row.delete()  # per row, so the delete signal pushes the read model
+        deleted += 1
+    return deleted > 0

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 import redis
 from celery import shared_task
 
-from gateway.schema import KEY_LAST_USED_HASH
+from contracts.schema import KEY_LAST_USED_HASH
 from tenants import services
 from tenants.readmodel import read_model, text
 
@@ -17,7 +17,9 @@ log = logging.getLogger("fairway.tasks")
 # The gateways keep writing to KEY_LAST_USED_HASH while we flush: rename it away atomically
 # first, so no stamp written meanwhile is lost, and a crash mid-flush leaves the batch to
 # the next run.
-FLUSHING_KEY = KEY_LAST_USED_HASH + ":flushing"
+# The hash tag puts it in the same Redis Cluster slot as KEY_LAST_USED_HASH (whose whole
+# name is its hash input), as RENAME requires there (layout rule: gateway.admission.quota).
+FLUSHING_KEY = "{" + KEY_LAST_USED_HASH + "}:flushing"
 
 
 @shared_task(name="tenants.tasks.readmodel_rebuild", ignore_result=True)
@@ -25,6 +27,22 @@ def readmodel_rebuild() -> int:
     """Heal drift between the database and the gateway's read model."""
     result = read_model().rebuild()
     return len(result.changed)
+
+
+@shared_task(name="tenants.tasks.readmodel_check", ignore_result=True)
+def readmodel_check() -> int:
+    """Rebuild at once when the read model is missing (two EXISTS every few seconds).
+
+    A beat-checked flag rather than a subscriber: no extra long-lived process to supervise,
+    and a request made while no worker runs is still there when one starts (a pub/sub
+    message would be lost). The loaded marker is checked too, so a flushed store is rebuilt
+    even if no gateway has seen an unknown key yet.
+    """
+    model = read_model()
+    if not model.needs_rebuild():
+        return 0
+    log.warning("read model missing or a rebuild was requested; rebuilding now")
+    return len(model.rebuild().changed)
 
 
 @shared_task(name="tenants.tasks.api_key_last_used_flush", ignore_result=True)

@@ -1,10 +1,10 @@
 from django.urls import path
-from rest_framework.authtoken.views import obtain_auth_token
 
 from tenants import apis
+from tenants.auth import ObtainExpiringToken
 
 urlpatterns = [
-    path("auth/token/", obtain_auth_token, name="auth-token"),
+    path("auth/token/", ObtainExpiringToken.as_view(), name="auth-token"),
     path("tenants/", apis.TenantListApi.as_view(), name="tenant-list"),
     path("tenants/<uuid:tenant_id>/", apis.TenantDetailApi.as_view(), name="tenant-detail"),
     path("tenants/<uuid:tenant_id>/members/", apis.MemberListApi.as_view(), name="member-list"),
@@ -23,6 +23,16 @@ urlpatterns = [
         "tenants/<uuid:tenant_id>/keys/<uuid:key_id>/revoke/",
         apis.KeyRevokeApi.as_view(),
         name="key-revoke",
+    ),
+    path(
+        "tenants/<uuid:tenant_id>/keys/<uuid:key_id>/limits/",
+        apis.KeyLimitListApi.as_view(),
+        name="key-limit-list",
+    ),
+    path(
+        "tenants/<uuid:tenant_id>/keys/<uuid:key_id>/limits/<str:model>/",
+        apis.KeyLimitDetailApi.as_view(),
+        name="key-limit-detail",
     ),
     path("tenants/<uuid:tenant_id>/limits/", apis.LimitListApi.as_view(), name="limit-list"),
     path(

@@ -1,6 +1,7 @@
 """Development settings, used by ``make up`` and ``manage.py`` by default.
 
-SQLite under var/ unless DATABASE_URL is set; DEBUG on; dev secrets allowed.
+PostgreSQL: DATABASE_URL, or the machine's at 127.0.0.1:5432, database fairway_dev (which
+`make up` creates); DEBUG on; dev secrets allowed.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from fairway.env import VAR_DIR, env_bool, env_list
 from fairway.settings.base import *  # noqa: F403
 
-VAR_DIR.mkdir(exist_ok=True)  # SQLite file, beat schedule, demo keys
+VAR_DIR.mkdir(exist_ok=True)  # beat schedule, demo keys, gateway spool
 
 DEBUG = env_bool("DEBUG", True)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 from django.core.exceptions import ImproperlyConfigured
 
-from fairway.env import (
+from contracts.defaults import (
     DEV_CACHE_SALT_KEY,
     DEV_KEY_PEPPER,
     DEV_SECRET_KEY,
+    MIN_SECRET_BYTES,
+    is_redis_url,
+)
+from fairway.env import (
+    VAR_DIR,
     env_bool,
     env_int,
     env_is_set,
+    env_str,
 )
 from fairway.settings.base import *  # noqa: F403
 
-MIN_SECRET_LENGTH = 32
+MIN_SECRET_LENGTH = MIN_SECRET_BYTES
 
 
 def _problems() -> list[str]:
@@ -45,8 +51,19 @@ def _problems() -> list[str]:
     problems.extend(
         f"{name} must be set" for name in ("DATABASE_URL", "REDIS_URL") if not env_is_set(name)
     )
-    if env_is_set("DATABASE_URL") and DATABASES["default"]["ENGINE"].endswith("sqlite3"):  # noqa: F405
-        problems.append("DATABASE_URL must point at PostgreSQL (SQLite is for `make up` only)")
+    # Each Redis role's URL (defaulted or not) must name a Redis: a typo would otherwise
+    # surface only at the first publish or task.
+    redis_urls = {
+        "REDIS_URL": REDIS_URL,  # noqa: F405
+        "READMODEL_REDIS_URL": READMODEL_REDIS_URL,  # noqa: F405
+        "CELERY_BROKER_URL": CELERY_BROKER_URL,  # noqa: F405
+        "FAIRWAY_THROTTLE_REDIS_URL": env_str("FAIRWAY_THROTTLE_REDIS_URL", CELERY_BROKER_URL),  # noqa: F405
+    }
+    problems.extend(
+        f"{name} must be a redis://, rediss:// or unix:// URL"
+        for name, url in redis_urls.items()
+        if not is_redis_url(url)
+    )
     return problems
 
 
@@ -65,3 +82,12 @@ SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 3600)
 SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
 X_FRAME_OPTIONS = "DENY"
+# Static files are collected (``manage.py collectstatic``) into STATIC_ROOT with hashed,
+# compressed names and served by WhiteNoise with far-future cache headers.
+STATIC_ROOT = env_str("STATIC_ROOT", str(VAR_DIR / "static"))
+WHITENOISE_USE_FINDERS = False
+WHITENOISE_AUTOREFRESH = False
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},
+}

@@ -19,7 +19,7 @@ ALLOWED_HOSTS = ["testserver", "127.0.0.1", "localhost"]
 
 _services = EmbeddedServices()
 atexit.register(_services.stop)
-DATABASES = {"default": database_config(_services.database_url(allow_sqlite=False), conn_max_age=0)}
+DATABASES = {"default": database_config(_services.database_url(), conn_max_age=0)}
 DATABASES["default"]["ATOMIC_REQUESTS"] = True
 DATABASES["default"]["TEST"] = {
     "NAME": env_str("FAIRWAY_TEST_DB_NAME", f"test_fairway_{os.getpid()}"),

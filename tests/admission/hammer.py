@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from gateway.limits import Limiter, QuotaRequest
-from gateway.policy import AdmissionConfig
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.quota import Limiter, QuotaRequest
 
 
 @dataclass(frozen=True)

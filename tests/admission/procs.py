@@ -2,29 +2,35 @@
 
 Real everything: gateway processes (``python -m gateway``), emulated replicas
 (``emulator.testing``), Redis. The read model is written straight into Redis with
-``gateway.schema`` (as the control plane does), so these tests need no Django.
+``contracts.readmodel_writer`` (as the control plane does), so these tests need no Django.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
-import signal
-import subprocess
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import redis
 
-from gateway import schema
-from gateway.config import DEV_KEY_PEPPER
-from tests.support import launch_gateway
+from bench.prom_parse import metric_sum, samples
+from contracts import schema
+from contracts.readmodel_writer import ReadModelWriter
+from tests.support import LaunchedGateway, launch_gateway, wait_until_async
 
 
 @dataclass
 class Tenant:
+    """A tenant as one of its API keys presents it."""
+
     tenant_id: str
     secret: str
+    key_id: str = ""
 
     @property
     def auth(self) -> dict[str, str]:
@@ -32,18 +38,15 @@ class Tenant:
 
 
 @dataclass
-class ReadModel:
+class Seeder:
     """Writes catalog, tenants and keys, announcing each change like the control plane."""
 
     client: redis.Redis
     versions: dict[str, schema.ModelVersionRecord] = field(default_factory=dict)
+    writer: ReadModelWriter = field(init=False)
 
-    def _announce(self, kind: schema.ChangeKind, ident: str) -> None:
-        version = int(self.client.incr(schema.VERSION_KEY))
-        self.client.publish(
-            schema.CHANGES_CHANNEL,
-            schema.dumps(schema.Change(kind=kind, ident=ident, version=version)),
-        )
+    def __post_init__(self) -> None:
+        self.writer = ReadModelWriter(self.client)
 
     def add_version(self, version: schema.ModelVersionRecord) -> None:
         self.versions[version.version] = version
@@ -51,65 +54,43 @@ class ReadModel:
             families={v.family: v.version for v in self.versions.values()},
             versions=dict(self.versions),
         )
-        self.client.set(schema.CATALOG_KEY, schema.dumps(catalog))
-        self._announce("catalog", "")
+        self.writer.put_catalog(catalog)
+        self.writer.mark_loaded()
+        self.writer.announce("catalog", "")
 
     def tenant(self, cls: schema.AdmissionClass, limits: dict[str, schema.LimitRecord]) -> Tenant:
         tenant_id = "t-" + secrets.token_hex(6)
-        secret = schema.API_KEY_PREFIX + secrets.token_urlsafe(32)
-        key_hash = schema.hash_api_key(secret, DEV_KEY_PEPPER.encode())
         plan = {"reserved": "enterprise", "standard": "standard", "best_effort": "free"}[cls]
-        self.client.set(
-            schema.tenant_redis_key(tenant_id),
-            schema.dumps(
-                schema.TenantRecord(
-                    tenant_id=tenant_id,
-                    name=tenant_id,
-                    plan=plan,
-                    admission_class=cls,
-                    suspended=False,
-                    limits=limits,
-                )
-            ),
+        self.writer.put_tenant(
+            schema.TenantRecord(
+                tenant_id=tenant_id,
+                name=tenant_id,
+                plan=plan,
+                admission_class=cls,
+                suspended=False,
+                limits=limits,
+            )
         )
-        self.client.set(
-            schema.key_redis_key(key_hash),
-            schema.dumps(
-                schema.KeyRecord(
-                    key_id="k-" + secrets.token_hex(6), tenant_id=tenant_id, scopes=("chat",)
-                )
-            ),
+        self.writer.announce("tenant", tenant_id)
+        return self.key(tenant_id)
+
+    def key(self, tenant_id: str, limits: dict[str, schema.KeyLimitRecord] | None = None) -> Tenant:
+        """A new API key of ``tenant_id``, with its own per-family limits if given."""
+        secret = schema.API_KEY_PREFIX + secrets.token_urlsafe(32)
+        found = Tenant(tenant_id, secret, "k-" + secrets.token_hex(6))
+        self.edit_key(found, limits or {})
+        return found
+
+    def edit_key(self, key: Tenant, limits: dict[str, schema.KeyLimitRecord]) -> None:
+        """Rewrite the key's record with these limits and announce it (an edit's push)."""
+        record = schema.KeyRecord(
+            key_id=key.key_id, tenant_id=key.tenant_id, scopes=("chat",), limits=limits
         )
-        self._announce("tenant", tenant_id)
-        self._announce("key", key_hash)
-        return Tenant(tenant_id, secret)
+        self.writer.announce("key", self.writer.put_key(key.secret, record))
 
 
-@dataclass
-class GatewayProc:
-    process: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def kill9(self) -> None:
-        self.process.kill()
-        self.process.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=5)
+# A gateway process of these tests (``launch_gateway``'s handle).
+GatewayProc = LaunchedGateway
 
 
 def spawn_gateway(
@@ -122,7 +103,7 @@ def spawn_gateway(
         env={"GATEWAY_DRAIN_DEADLINE_S": "5", **(env or {})},
         ready_timeout=ready_timeout,
     )
-    return GatewayProc(launched.process, launched.port, launched.log_path)
+    return launched
 
 
 def chat_body(model: str, prompt_words: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -137,14 +118,83 @@ def chat_body(model: str, prompt_words: int, max_tokens: int, **extra: Any) -> d
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        head, _, value = line.rpartition(" ")
-        if head != name and not head.startswith(name + "{"):
-            continue
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
+    """Sum of the samples of ``name`` whose labels include ``labels`` (0 when none)."""
+    return metric_sum(text, name, **labels) or 0.0
+
+
+def replica_scrapes(gw: LaunchedGateway) -> dict[str, float]:
+    """The gateway's successful scrapes so far, by replica."""
+    text = httpx.get(gw.base_url + "/metrics", timeout=5).text
+    return {
+        s.labels["replica"]: s.value
+        for s in samples(text)
+        if s.name == "fairway_gateway_replica_scrapes_total"
+    }
+
+
+async def after_scrapes(gw: LaunchedGateway, n: int = 2) -> None:
+    """Wait until the gateway has scraped every replica ``n`` more times: routing then
+    sees what the replicas report now (instead of sleeping for some scrape periods)."""
+    start = await asyncio.to_thread(replica_scrapes, gw)
+    assert start, "the gateway reports no replica scrapes"
+
+    async def scraped() -> bool:
+        now = await asyncio.to_thread(replica_scrapes, gw)
+        return all(now.get(rid, 0.0) >= count + n for rid, count in start.items())
+
+    await wait_until_async(scraped, 10, 0.05, f"{n} fresh scrapes of every replica")
+
+
+@contextlib.contextmanager
+def two_gateways(
+    tmp: Path, redis_url: str, env: dict[str, str]
+) -> Iterator[tuple[GatewayProc, GatewayProc]]:
+    """Two gateway processes on one Redis (stopped on exit, also when the second fails)."""
+    a = spawn_gateway(tmp, redis_url, env)
+    try:
+        b = spawn_gateway(tmp, redis_url, env)
+    except BaseException:
+        a.terminate(20)
+        raise
+    try:
+        yield a, b
+    finally:
+        a.terminate(20)
+        b.terminate(20)
+
+
+async def open_stream(
+    client: httpx.AsyncClient,
+    held: list[httpx.Response],
+    gw: LaunchedGateway,
+    tenant: Tenant,
+    body: dict[str, object],
+) -> httpx.Response:
+    """Start a streaming chat; a 200 means admitted and generating (the gateway sends its
+    headers after the replica's first chunk) and the response joins ``held``. Refusals are
+    read and returned."""
+    request = client.build_request(
+        "POST",
+        gw.base_url + "/v1/chat/completions",
+        json={**body, "stream": True},
+        headers=tenant.auth,
+    )
+    response = await client.send(request, stream=True)
+    if response.status_code == 200:
+        held.append(response)
+    else:
+        await response.aread()
+        await response.aclose()
+    return response
+
+
+@contextlib.asynccontextmanager
+async def held_streams() -> AsyncIterator[tuple[httpx.AsyncClient, list[httpx.Response]]]:
+    """An async client whose held streaming responses are all closed (cancelled) on exit."""
+    held: list[httpx.Response] = []
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=400)) as c:
+        try:
+            yield c, held
+        finally:
+            for r in held:
+                await r.aclose()

@@ -1,6 +1,6 @@
-"""``AdmissionController`` in-process against real Redis, with a registry whose replica
-states the test sets (as the scraper would): R1 wiring, the reserved floor and pool, class
-ceilings, vLLM priorities, refunds on capacity 503s and the renewer."""
+"""``AdmissionController`` in-process against real Redis, with a registry whose replica states the
+test sets (as the scraper would): measured-TPOT wiring (docs/design.md R1), the reserved floor and
+pool, class ceilings, vLLM priorities, refunds on capacity 503s and the renewer."""
 
 from __future__ import annotations
 
@@ -11,15 +11,19 @@ from dataclasses import replace
 import pytest
 import redis.asyncio as aioredis
 
-from gateway import schema
-from gateway.admission import AdmissionController, AdmissionRequest
+from contracts import schema
+from contracts.formulas import kv_gib_seconds
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.controller import AdmissionController, AdmissionRequest
+from gateway.admission.estimates import to_milli
+from gateway.admission.quota import tenant_tag
+from gateway.admission.replicas import ReplicaState
+from gateway.admission.router import Router
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
-from gateway.limits import tenant_tag
 from gateway.metrics import GatewayMetrics
-from gateway.policy import AdmissionConfig, kv_gib_seconds, to_milli
-from gateway.replicas import ReplicaState
-from gateway.router import Router
+from gateway.redis_client import connect
+from tests.support import bytes_list, bytes_map
 
 KV = 128 * 1024
 VERSION = schema.ModelVersionRecord(
@@ -38,7 +42,7 @@ VERSION = schema.ModelVersionRecord(
 
 
 class StubRegistry:
-    """The registry's queries over states the test controls; ``p95`` feeds R1."""
+    """The registry's queries over states the test controls; ``p95`` feeds the TPOT estimate."""
 
     def __init__(self) -> None:
         self._states = {
@@ -80,13 +84,13 @@ async def started_controller(
 ) -> AdmissionController:
     """One gateway process's admission: its own router and in-process state."""
     config = replace(GatewayConfig(), redis_url=redis_url, admission=admission)
-    router = Router(registry, config=config.admission, clock=lambda: 0.5)  # type: ignore[arg-type]
+    router = Router(registry, config=config.admission, clock=lambda: 0.5)
     controller = AdmissionController(
-        redis=aredis,
         registry=registry,  # type: ignore[arg-type]
         router=router,
         config=config,
         metrics=GatewayMetrics(),
+        client=connect(redis_url, timeout_s=config.admission_redis_timeout_s),
     )
     await controller.start()
     return controller
@@ -154,7 +158,7 @@ async def test_reserved_floor_goes_to_the_pool_with_priority_0_and_above_floor_i
 ) -> None:
     controller, registry = setup
     registry.occupy(pool_1=0.50, shared_1=0.10, shared_2=0.10)
-    est = to_milli(kv_gib_seconds(1_000, 1_000, KV, 0.10)) / 1000  # stale R1: 2 x target
+    est = to_milli(kv_gib_seconds(1_000, 1_000, KV, 0.10)) / 1000  # stale TPOT: 2 x target
     floor = math.floor(est)  # the first request is under the floor, the second is not
     assert 0 < floor < est
     first = await controller.admit(request("reserved", floor=floor, rid="a"))
@@ -163,7 +167,7 @@ async def test_reserved_floor_goes_to_the_pool_with_priority_0_and_above_floor_i
     second = await controller.admit(request("reserved", floor=floor, rid="b"))
     assert second.replica.pool == "shared" and second.priority == 1
     assert second.effective_class == "standard"
-    # a hot pool: floor traffic tries another replica rather than a thrashing one (R2)
+    # a hot pool: floor traffic tries another replica, not a thrashing one (docs/design.md R2)
     for t in (first, second):
         await controller.settle(t, prompt_tokens=1000, completion_tokens=10, outcome="stop")
     registry.occupy(pool_1=0.95, shared_1=0.90, shared_2=0.91)
@@ -187,8 +191,10 @@ async def test_standard_and_free_never_enter_the_reserved_pool(
     assert "x-ratelimit-remaining-requests" in exc.value.headers
     assert 5_000 <= int(exc.value.headers["retry-after-ms"]) <= 10_001
     # the refused request gave its quota back: nothing in flight, the request refunded
-    ledger = await aredis.hgetall(f"{tenant_tag('t-standard', 'm')}:l")
-    assert ledger == {b"#": b"0"}
+    ledger = bytes_map(await aredis.hgetall(f"{tenant_tag('t-standard', 'm')}:l"))
+    # ("#r…" fields: the tenant's retry-budget window, which counts admissions as the
+    # fleet's does)
+    assert {k: v for k, v in ledger.items() if not k.startswith(b"#r")} == {b"#": b"0"}
     bucket = await aredis.hget(f"{tenant_tag('t-standard', 'm')}:b", "rl")
     assert bucket is not None and float(bucket) == pytest.approx(1000, abs=1)
 
@@ -219,7 +225,7 @@ async def test_settle_is_idempotent_and_refunds_a_failure_entirely(
     assert ticket.headers["x-ratelimit-remaining-tokens"] == str(10_000_000 - 1_000)
     await controller.settle(ticket, prompt_tokens=100, completion_tokens=0, outcome="error")
     await controller.settle(ticket, prompt_tokens=100, completion_tokens=0, outcome="error")
-    bucket = await aredis.hmget(f"{tenant_tag('t-standard', 'm')}:b", "rl", "tl")
+    bucket = bytes_list(await aredis.hmget(f"{tenant_tag('t-standard', 'm')}:b", "rl", "tl"))
     assert float(bucket[0]) == pytest.approx(1000, abs=1)  # the request came back
     assert float(bucket[1]) == pytest.approx(10_000_000, abs=200)  # and every token
     assert await aredis.hget(f"{tenant_tag('t-standard', 'm')}:l", "#") == b"0"

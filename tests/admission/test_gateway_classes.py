@@ -1,5 +1,5 @@
-"""Plan classes through a RUNNING gateway: the class reaches vLLM as ``priority`` (so the
-replica's own scheduler agrees with the gateway), and the reserved pool (R2) takes only
+"""Plan classes through a RUNNING gateway: the class reaches vLLM as ``priority`` (so the replica's
+own scheduler agrees with the gateway), and the reserved pool (docs/design.md R2) takes only
 reserved traffic within its floor.
 
 The replicas run in-process (``emulator.testing.running_emulator``) so the test can read
@@ -15,15 +15,20 @@ import httpx
 import pytest
 import redis
 
+from contracts import schema
 from emulator.testing import EmulatorHandle, running_emulator
-from gateway import schema
-from tests.admission.procs import GatewayProc, ReadModel, chat_body, metric, spawn_gateway
+from tests.admission.procs import GatewayProc, Seeder, chat_body, metric, spawn_gateway
+from tests.support import wait_until_async
 
 pytestmark = pytest.mark.slow
 
 PROFILE = "llama-8b-tp1-h100"
 KV_BYTES = 128 * 1024
-EXPECTED_PRIORITY = {"reserved": 0, "standard": 1, "best_effort": 2}
+EXPECTED_PRIORITY: dict[schema.AdmissionClass, int] = {
+    "reserved": 0,
+    "standard": 1,
+    "best_effort": 2,
+}
 
 
 def limits(family: str, *, floor: int = 0) -> dict[str, schema.LimitRecord]:
@@ -64,7 +69,7 @@ async def test_class_reaches_the_replica_as_vllm_priority(
     redis_sync: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
     async with running_emulator(PROFILE, "prio-v1", speed=0.5) as emu:
-        rm = ReadModel(redis_sync)
+        rm = Seeder(redis_sync)
         rm.add_version(version_on("prio-v1", "prio", [(emu, "shared")]))
         tenants = {
             cls: rm.tenant(cls, limits("prio", floor=500_000 if cls == "reserved" else 0))
@@ -76,7 +81,7 @@ async def test_class_reaches_the_replica_as_vllm_priority(
                 for cls, tenant in tenants.items():
                     body = {**chat_body("prio", 5, 400, ignore_eos=True), "stream": True}
                     request = client.build_request(
-                        "POST", gw.url + "/v1/chat/completions", json=body, headers=tenant.auth
+                        "POST", gw.base_url + "/v1/chat/completions", json=body, headers=tenant.auth
                     )
                     response = await client.send(request, stream=True)
                     try:
@@ -85,13 +90,11 @@ async def test_class_reaches_the_replica_as_vllm_priority(
                         assert [r.priority for r in live] == [EXPECTED_PRIORITY[cls]], cls
                     finally:
                         await response.aclose()  # disconnect: the replica aborts it
-                    for _ in range(200):
-                        if not emu.engine.requests:
-                            break
-                        await asyncio.sleep(0.05)
-                    assert not emu.engine.requests
+                    await wait_until_async(
+                        lambda: not emu.engine.requests, 10, 0.05, "the replica aborted it"
+                    )
         finally:
-            await asyncio.to_thread(gw.stop)
+            await asyncio.to_thread(gw.terminate, 20)
 
 
 async def test_reserved_pool_takes_only_reserved_floor_traffic(
@@ -101,7 +104,7 @@ async def test_reserved_pool_takes_only_reserved_floor_traffic(
         running_emulator(PROFILE, "pool-v1", speed=20.0) as shared,
         running_emulator(PROFILE, "pool-v1", speed=20.0) as reserved,
     ):
-        rm = ReadModel(redis_sync)
+        rm = Seeder(redis_sync)
         rm.add_version(version_on("pool-v1", "pool", [(shared, "shared"), (reserved, "reserved")]))
         enterprise = rm.tenant("reserved", limits("pool", floor=500_000))
         standard = rm.tenant("standard", limits("pool"))
@@ -112,7 +115,7 @@ async def test_reserved_pool_takes_only_reserved_floor_traffic(
 
                 async def send(tenant_auth: dict[str, str]) -> None:
                     r = await client.post(
-                        gw.url + "/v1/chat/completions",
+                        gw.base_url + "/v1/chat/completions",
                         json=chat_body("pool", 20, 4),
                         headers=tenant_auth,
                     )
@@ -127,8 +130,9 @@ async def test_reserved_pool_takes_only_reserved_floor_traffic(
                 shared_before = await asyncio.to_thread(prompt_tokens, shared)
                 for _ in range(6):
                     await send(enterprise.auth)
-                # Floor traffic goes to the reserved pool first (R2), not the shared fleet.
+                # Floor traffic goes to the reserved pool first (docs/design.md R2), not the
+                # shared fleet.
                 assert await asyncio.to_thread(prompt_tokens, reserved) > 0
                 assert await asyncio.to_thread(prompt_tokens, shared) == shared_before
         finally:
-            await asyncio.to_thread(gw.stop)
+            await asyncio.to_thread(gw.terminate, 20)

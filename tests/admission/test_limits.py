@@ -1,4 +1,4 @@
-"""The Redis scripts of gateway/limits.py against a real Redis."""
+"""The Redis scripts of gateway/admission/quota.py against a real Redis."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from gateway import policy
-from gateway.limits import Limiter, QuotaRequest, connect, tenant_tag
-from gateway.policy import AdmissionConfig
+from gateway.admission import retry
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.quota import Limiter, QuotaRequest, key_tag, slot_of, tenant_tag
+from gateway.redis_client import connect
 from tests.admission.hammer import Record, Scenario, hammer
+from tests.support import bytes_list, bytes_map
 
 BASE = QuotaRequest(
     "r",
@@ -137,8 +139,8 @@ async def test_retry_budget_in_redis_matches_the_pure_rule(aredis: aioredis.Redi
         admitted += 1
     outcomes = []
     for i in range(12):
-        expect_shed = policy.sheds_retry(
-            True, "standard", policy.in_retry_storm(admitted, retries, cfg)
+        expect_shed = retry.sheds_retry(
+            True, "standard", retry.in_retry_storm(admitted, retries, cfg)
         )
         d = await lim.admit(q(request_id=f"r{i}", is_retry=True))
         assert d.retry_storm is expect_shed and d.admitted is not expect_shed
@@ -158,11 +160,140 @@ async def test_every_key_is_namespaced_and_expires(aredis: aioredis.Redis) -> No
     assert d.grant
     await lim.renew([d.grant])
     await lim.settle(d.grant, actual_tokens=10, refund_request=False)
-    keys = await aredis.keys("*")
+    keys = bytes_list(await aredis.keys("*"))
     assert keys and all(k.startswith(b"fw:rl:") for k in keys)
     for k in keys:
         ttl = await aredis.pttl(k)
         assert 0 < ttl <= 120_000, (k, ttl)
+
+
+# -- per-key limits: an API key's own limits, inside its tenant's, in the same call ----------
+
+
+def kq(key_id: str, **kw: object) -> QuotaRequest:
+    return q(key_id=key_id, **kw)
+
+
+async def test_a_keys_requests_limit_binds_it_alone_and_the_tenants_bounds_both(
+    aredis: aioredis.Redis,
+) -> None:
+    lim = Limiter(aredis, AdmissionConfig())
+    a = [await lim.admit(kq("ka", rpm=5, key_rpm=2)) for _ in range(3)]
+    assert [d.admitted for d in a] == [True, True, False]
+    refused = a[2]
+    assert refused.key_limited and refused.layer == "requests"
+    assert refused.key_state is not None and refused.key_state.remaining_requests == 0
+    assert 29_000 <= refused.frees_in_ms <= 30_000  # one of 2/min refills in 30 s
+    # the key's refusal charged nothing: its sibling gets the tenant's 3 left, then the
+    # tenant's own limit refuses it (not the key's)
+    b = [await lim.admit(kq("kb", rpm=5)) for _ in range(4)]
+    assert [d.admitted for d in b] == [True, True, True, False]
+    assert b[0].state.remaining_requests == 2
+    assert not b[3].key_limited and b[3].layer == "requests"
+    assert b[0].key_state is None  # no rates of its own: the headers are the tenant's
+
+
+async def test_a_keys_tokens_are_charged_on_the_estimate_and_reconciled_at_settle(
+    aredis: aioredis.Redis,
+) -> None:
+    lim = Limiter(aredis, AdmissionConfig())
+    started = time.monotonic()
+    first = await lim.admit(kq("ka", tpm=100_000, key_tpm=1_000, est_tokens=800))
+    assert first.grant is not None and first.key_state is not None
+    assert first.key_state.remaining_tokens == 200
+    assert first.state.remaining_tokens == 99_200
+    second = await lim.admit(kq("ka", tpm=100_000, key_tpm=1_000, est_tokens=800))
+    assert second.admitted  # 200 left: admitted while positive, then in debt
+    third = await lim.admit(kq("ka", tpm=100_000, key_tpm=1_000, est_tokens=1))
+    assert not third.admitted and third.key_limited and third.layer == "tokens"
+    assert second.grant is not None
+    # used 100 of 800: 700 back at once, to the key and to the tenant
+    assert await lim.settle(first.grant, actual_tokens=100, refund_request=False)
+    assert await lim.settle(second.grant, actual_tokens=100, refund_request=False)
+    after = await lim.admit(kq("ka", tpm=100_000, key_tpm=1_000, est_tokens=100))
+    elapsed_min = (time.monotonic() - started) / 60  # the buckets refill meanwhile
+    assert after.admitted and after.key_state is not None
+
+    def refilled(remaining: int, expected: int, per_min: int) -> bool:
+        return expected - 1 <= remaining <= min(per_min, expected + per_min * elapsed_min + 1)
+
+    assert refilled(after.key_state.remaining_tokens, 1_000 - 200 - 100, 1_000)
+    assert refilled(after.state.remaining_tokens, 100_000 - 300, 100_000)
+    # a request refunded entirely gives the key its request back too
+    lim2 = await lim.admit(kq("kr", key_rpm=1))
+    assert lim2.grant is not None
+    assert not (await lim.admit(kq("kr", key_rpm=1))).admitted
+    await lim.settle(lim2.grant, actual_tokens=0, refund_request=True)
+    assert (await lim.admit(kq("kr", key_rpm=1))).admitted
+
+
+async def test_a_keys_concurrency_cap_is_exact_and_released_by_settle(
+    aredis: aioredis.Redis,
+) -> None:
+    lim = Limiter(aredis, AdmissionConfig())
+    held = [await lim.admit(kq("ka", key_concurrency=2, expected_ms=4000)) for _ in range(2)]
+    over = await lim.admit(kq("ka", key_concurrency=2))
+    assert all(d.admitted for d in held) and [d.key_inflight for d in held] == [1, 2]
+    assert not over.admitted and over.key_limited and over.layer == "concurrency"
+    assert over.key_inflight == 2
+    assert 3_000 <= over.frees_in_ms <= 4_000  # the first of its leases' expected end
+    # a sibling key and the tenant are not held back by it
+    assert (await lim.admit(kq("kb", key_concurrency=2))).admitted
+    first = held[0].grant
+    assert first is not None
+    assert await lim.settle(first, actual_tokens=0, refund_request=False)
+    again = await lim.admit(kq("ka", key_concurrency=2))
+    assert again.admitted and again.key_inflight == 2
+    # settled twice changes nothing; the count's field goes when the key has none in flight
+    assert not await lim.settle(first, actual_tokens=0, refund_request=False)
+    for d in (held[1], again):
+        assert d.grant is not None
+        await lim.settle(d.grant, actual_tokens=0, refund_request=False)
+    fields = await aredis.hkeys(f"{tenant_tag('t1', 'fam')}:l")
+    assert b"#k:ka" not in fields
+
+
+async def test_a_keys_in_flight_slot_comes_back_when_its_lease_is_reclaimed(
+    aredis: aioredis.Redis,
+) -> None:
+    lim = Limiter(aredis, AdmissionConfig(lease_ttl_s=0.5, lease_renew_s=0.2))
+    crashed = await lim.admit(kq("ka", key_concurrency=1))
+    assert crashed.admitted
+    assert not (await lim.admit(kq("ka", key_concurrency=1))).admitted
+    await asyncio.sleep(0.7)  # never renewed: a crashed gateway's lease
+    retry = await lim.admit(kq("ka", key_concurrency=1))
+    assert retry.admitted and retry.key_inflight == 1
+
+
+async def test_a_keys_limits_are_exact_under_concurrent_admissions(
+    aredis: aioredis.Redis,
+) -> None:
+    lim = Limiter(aredis, AdmissionConfig())
+    a, b = await asyncio.gather(
+        asyncio.gather(*(lim.admit(kq("ka", rpm=30, key_rpm=7)) for _ in range(40))),
+        asyncio.gather(*(lim.admit(kq("kb", rpm=30, key_concurrency=9)) for _ in range(40))),
+    )
+    assert sum(d.admitted for d in a) == 7
+    assert all(d.key_limited for d in a if not d.admitted)
+    assert sum(d.admitted for d in b) == 9
+    assert all(d.key_limited and d.layer == "concurrency" for d in b if not d.admitted)
+
+
+async def test_a_keys_buckets_share_the_tenant_models_slot_and_expire(
+    aredis: aioredis.Redis,
+) -> None:
+    lim = Limiter(aredis, AdmissionConfig())
+    d = await lim.admit(kq("ka", rpm=10, key_rpm=5, key_tpm=1000, key_concurrency=3))
+    assert d.grant
+    await lim.settle(d.grant, actual_tokens=10, refund_request=False)
+    own = key_tag("t1", "fam", "ka")
+    assert own.startswith(tenant_tag("t1", "fam")) and slot_of(own) == slot_of(
+        tenant_tag("t1", "fam")
+    )
+    keys = await aredis.keys("*")
+    assert own.encode() in keys
+    for k in keys:
+        assert 0 < await aredis.pttl(k) <= 120_000, k
 
 
 async def test_redis_unreachable_fails_open_for_rates_and_closed_for_kv() -> None:
@@ -185,6 +316,9 @@ async def test_redis_unreachable_fails_open_for_rates_and_closed_for_kv() -> Non
         def leases_lost(self, n: int) -> None:
             pass
 
+        def store_error(self, kind: str) -> None:
+            events.append(("error", kind))
+
     lim = Limiter(dead, AdmissionConfig(local_kv_fraction=0.25), stats=Stats())
     # rpm 1 would refuse the second request: failing open, all five pass
     ds = [
@@ -201,6 +335,24 @@ async def test_redis_unreachable_fails_open_for_rates_and_closed_for_kv() -> Non
     await lim.settle(ds[0].grant, actual_tokens=5, refund_request=False)
     assert (await lim.admit(q(kv_cap_milli=8000, est_kv_milli=1000))).admitted
     assert not lim.redis_up
+    await dead.aclose()
+
+
+async def test_redis_unreachable_a_keys_rates_fail_open_and_its_concurrency_cap_closed() -> None:
+    dead = connect("redis://127.0.0.1:1/0", timeout_s=0.2)
+    lim = Limiter(dead, AdmissionConfig(local_kv_fraction=0.25))
+    # the key's rpm 1 would refuse the second request: failing open, both pass
+    rates = [await lim.admit(kq("ka", key_rpm=1, key_tpm=10)) for _ in range(2)]
+    assert all(d.admitted and d.degraded and not d.key_limited for d in rates)
+    # its cap of 8 fails closed at 25 %: 2 in flight from this process (those two)
+    over = await lim.admit(kq("ka", key_concurrency=8))
+    assert not over.admitted and over.key_limited and over.layer == "concurrency"
+    assert over.key_inflight == 2 and over.degraded
+    assert (await lim.admit(kq("kb", key_concurrency=8))).admitted  # a sibling is not held
+    for d in rates:
+        assert d.grant is not None
+        await lim.settle(d.grant, actual_tokens=0, refund_request=False)
+    assert (await lim.admit(kq("ka", key_concurrency=8))).admitted
     await dead.aclose()
 
 
@@ -274,8 +426,9 @@ def test_overshoot_bounds_under_400_concurrent_clients_in_4_processes(
         f"{peak} <= cap {cap}"
     )
     # ... and after every release the ledger is exactly empty: no leak, no double count
-    lease = redis_sync.hgetall(f"{tenant_tag('kv', 'fam')}:l")
-    assert lease == {b"#": b"0"}
+    lease = bytes_map(redis_sync.hgetall(f"{tenant_tag('kv', 'fam')}:l"))
+    # (fields starting "#r" are the tenant's retry-budget window, not leases)
+    assert {k: v for k, v in lease.items() if not k.startswith(b"#r")} == {b"#": b"0"}
     assert redis_sync.zcard(f"{tenant_tag('kv', 'fam')}:e") == 0
 
     # KV·seconds held (never released): the sum admitted stays within the cap exactly

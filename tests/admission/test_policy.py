@@ -1,4 +1,5 @@
-"""Unit tests of the pure admission policy (gateway/policy.py)."""
+"""Unit tests of the pure admission policy modules (gateway/admission/: config, estimates,
+classes, routing, retry, ratelimit, early)."""
 
 from __future__ import annotations
 
@@ -10,39 +11,41 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway import policy
-from gateway.policy import AdmissionConfig, ReplicaView
+from contracts import formulas
+from gateway.admission import classes, config, early, estimates, ratelimit, retry, router, routing
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.routing import ReplicaView
 
 CFG = AdmissionConfig()
 KIB = 1024
 
 
-# -- §6 estimates ------------------------------------------------------------------------
+# -- quota estimates (docs/design.md §6) ---------------------------------------------------
 
 
 def test_tokens_estimate_is_prompt_plus_min_of_max_tokens_and_max_output() -> None:
-    assert policy.tokens_estimate(800, 4096, 2048) == 800 + 2048
-    assert policy.tokens_estimate(800, 100, 2048) == 900
-    assert policy.tokens_estimate(800, None, 2048) == 2848  # no max_tokens: the plan's max
+    assert estimates.tokens_estimate(800, 4096, 2048) == 800 + 2048
+    assert estimates.tokens_estimate(800, 100, 2048) == 900
+    assert estimates.tokens_estimate(800, None, 2048) == 2848  # no max_tokens: the plan's max
 
 
 def test_est_out_defaults_to_max_output_and_honours_a_cap() -> None:
-    assert policy.est_out_for_kv(4096) == 4096
-    assert policy.est_out_for_kv(4096, cap=1200) == 1200
-    assert policy.est_out_for_kv(300, cap=1200) == 300
+    assert estimates.est_out_for_kv(4096) == 4096
+    assert estimates.est_out_for_kv(4096, cap=1200) == 1200
+    assert estimates.est_out_for_kv(300, cap=1200) == 300
 
 
 def test_kv_estimate_matches_the_design_worked_example() -> None:
-    # §6 at TPOT 40 ms, 320 KiB/token: a 128k prompt with 1,000 output tokens.
-    gib_s = policy.kv_gib_seconds(128_000, 1000, 320 * KIB, 0.040)
+    # docs/design.md §6's example: TPOT 40 ms, 320 KiB/token, 128k prompt, 1,000 output tokens.
+    gib_s = formulas.kv_gib_seconds(128_000, 1000, 320 * KIB, 0.040)
     assert gib_s == pytest.approx((128_000 + 500) * 320 * KIB * 1000 * 0.040 / 2**30)
-    small = policy.kv_gib_seconds(200, 100, 320 * KIB, 0.040)
+    small = formulas.kv_gib_seconds(200, 100, 320 * KIB, 0.040)
     # output appears squared: twice the output holds ~twice the memory twice as long
-    assert policy.kv_gib_seconds(0, 200, 320 * KIB, 0.04) == pytest.approx(
-        4 * policy.kv_gib_seconds(0, 100, 320 * KIB, 0.04)
+    assert formulas.kv_gib_seconds(0, 200, 320 * KIB, 0.04) == pytest.approx(
+        4 * formulas.kv_gib_seconds(0, 100, 320 * KIB, 0.04)
     )
     assert gib_s / small > 1000
-    assert policy.to_milli(0.0001) == 1 and policy.to_milli(2.5) == 2500
+    assert estimates.to_milli(0.0001) == 1 and estimates.to_milli(2.5) == 2500
 
 
 @pytest.mark.parametrize(
@@ -58,10 +61,10 @@ def test_kv_estimate_matches_the_design_worked_example() -> None:
 def test_tpot_estimate_clamps_and_falls_back(
     measured: float | None, age: float, expected: float
 ) -> None:
-    assert policy.tpot_estimate(measured, age, 0.040) == pytest.approx(expected)
+    assert estimates.tpot_estimate(measured, age, 0.040) == pytest.approx(expected)
 
 
-# -- §7 / R2 classes ---------------------------------------------------------------------
+# -- classes, ceilings and the reserved pool (docs/design.md §7, R2) -----------------------
 
 
 @pytest.mark.parametrize(
@@ -75,38 +78,40 @@ def test_tpot_estimate_clamps_and_falls_back(
         ("reserved", 0.921, False),
     ],
 )
-def test_class_thresholds(cls: policy.EffectiveClass, load: float, ok: bool) -> None:
-    assert policy.replica_admits(cls, load, CFG) is ok
+def test_class_thresholds(cls: config.EffectiveClass, load: float, ok: bool) -> None:
+    assert classes.replica_admits(cls, load, CFG) is ok
 
 
 def test_reserved_tenant_is_reserved_only_under_its_own_floor() -> None:
-    assert policy.effective_class("reserved", 0, 5000) == "reserved"
-    assert policy.effective_class("reserved", 4999, 5000) == "reserved"
-    assert policy.effective_class("reserved", 5000, 5000) == "standard"
-    assert policy.effective_class("reserved", 0, 0) == "standard"  # no floor sold
-    assert policy.effective_class("best_effort", 0, 5000) == "best_effort"
+    assert classes.effective_class("reserved", 0, 5000) == "reserved"
+    assert classes.effective_class("reserved", 4999, 5000) == "reserved"
+    assert classes.effective_class("reserved", 5000, 5000) == "standard"
+    assert classes.effective_class("reserved", 0, 0) == "standard"  # no floor sold
+    assert classes.effective_class("best_effort", 0, 5000) == "best_effort"
 
 
 def test_reserved_pool_admits_only_floor_traffic() -> None:
-    assert policy.pool_admits("reserved", "reserved")
-    assert not policy.pool_admits("standard", "reserved")
-    assert not policy.pool_admits("best_effort", "reserved")
-    assert policy.pool_admits("best_effort", "shared")
+    assert classes.pool_admits("reserved", "reserved")
+    assert not classes.pool_admits("standard", "reserved")
+    assert not classes.pool_admits("best_effort", "reserved")
+    assert classes.pool_admits("best_effort", "shared")
 
 
 def test_reserved_pool_sizing_uses_the_written_oversubscription_ratio() -> None:
     # Floors of 10,000 GiB·s x 0.6 / 48 s = 125 GiB held; a 172.5 GiB replica holds
     # 158.7 GiB under 0.92 -> one replica. Twice the floors -> two.
-    assert policy.reserved_pool_replicas_needed([6000, 4000], replica_kv_gib=172.5, cfg=CFG) == 1
-    assert policy.reserved_pool_replicas_needed([20_000], replica_kv_gib=172.5, cfg=CFG) == 2
-    assert policy.reserved_pool_replicas_needed([], replica_kv_gib=172.5, cfg=CFG) == 0
+    assert classes.reserved_pool_replicas_needed([6000, 4000], replica_kv_gib=172.5, cfg=CFG) == 1
+    assert classes.reserved_pool_replicas_needed([20_000], replica_kv_gib=172.5, cfg=CFG) == 2
+    assert classes.reserved_pool_replicas_needed([], replica_kv_gib=172.5, cfg=CFG) == 0
     full = AdmissionConfig(reserved_oversubscription=1.0)
-    assert policy.reserved_pool_replicas_needed([20_000], replica_kv_gib=172.5, cfg=full) == 3
+    assert classes.reserved_pool_replicas_needed([20_000], replica_kv_gib=172.5, cfg=full) == 3
     assert (
-        policy.check_reserved_floors([20_000], pool_replicas=2, replica_kv_gib=172.5, cfg=CFG)
+        classes.check_reserved_floors([20_000], pool_replicas=2, replica_kv_gib=172.5, cfg=CFG)
         is None
     )
-    problem = policy.check_reserved_floors([20_000], pool_replicas=1, replica_kv_gib=172.5, cfg=CFG)
+    problem = classes.check_reserved_floors(
+        [20_000], pool_replicas=1, replica_kv_gib=172.5, cfg=CFG
+    )
     assert problem is not None and "need 2" in problem
 
 
@@ -117,7 +122,7 @@ def test_config_rejects_inconsistent_ceilings() -> None:
         AdmissionConfig(lease_renew_s=8, lease_ttl_s=15)
 
 
-# -- R5 routing --------------------------------------------------------------------------
+# -- routing (docs/design.md R5) -----------------------------------------------------------
 
 
 def view(rid: str, occ: float, inflight: int = 0, pool: str = "shared") -> ReplicaView:
@@ -127,13 +132,13 @@ def view(rid: str, occ: float, inflight: int = 0, pool: str = "shared") -> Repli
 def test_p2c_picks_the_less_loaded_of_two_distinct_samples() -> None:
     views = [view("a", 0.1), view("b", 0.5), view("c", 0.7)]
     rng = random.Random(1)
-    picks = Counter(policy.choose_p2c(views, rng).replica_id for _ in range(3000))  # type: ignore[union-attr]
+    picks = Counter(routing.choose_p2c(views, rng).replica_id for _ in range(3000))  # type: ignore[union-attr]
     # c is the max of every pair it is in: never chosen; a wins both its pairs (2/3).
     assert picks["c"] == 0
     assert picks["a"] == pytest.approx(2000, rel=0.1)
     assert picks["b"] == pytest.approx(1000, rel=0.15)
-    assert policy.choose_p2c([views[2]], rng) is views[2]
-    assert policy.choose_p2c([], rng) is None
+    assert routing.choose_p2c([views[2]], rng) is views[2]
+    assert routing.choose_p2c([], rng) is None
 
 
 def test_optimistic_inflight_counts_in_the_score() -> None:
@@ -141,62 +146,62 @@ def test_optimistic_inflight_counts_in_the_score() -> None:
     a, b = view("a", 0.10, inflight=500), view("b", 0.30)
     assert a.load() == pytest.approx(0.60) and a.load(optimistic=False) == 0.10
     rng = random.Random(0)
-    assert all(policy.choose_p2c([a, b], rng) is b for _ in range(50))
-    assert policy.choose_emptiest([a, b], optimistic=False) is a  # the blind spot
+    assert all(routing.choose_p2c([a, b], rng) is b for _ in range(50))
+    assert routing.choose_emptiest([a, b], optimistic=False) is a  # the blind spot
 
 
 def test_route_applies_class_ceilings_and_says_none_when_full() -> None:
     views = [view("a", 0.70), view("b", 0.80)]
     rng = random.Random(0)
-    assert policy.route(views, "best_effort", CFG, rng) is None
-    assert policy.route(views, "standard", CFG, rng) is not None
+    assert router.route(views, "best_effort", CFG, rng) is None
+    assert router.route(views, "standard", CFG, rng) is not None
     full = [view("a", 0.95), view("b", 0.93)]
-    assert policy.route(full, "reserved", CFG, rng) is None  # told the truth: 503
+    assert router.route(full, "reserved", CFG, rng) is None  # told the truth: 503
 
 
 def test_route_sends_floor_traffic_to_the_reserved_pool_first_then_shared() -> None:
     rng = random.Random(0)
     views = [view("r1", 0.50, pool="reserved"), view("s1", 0.10), view("s2", 0.20)]
-    assert policy.route(views, "reserved", CFG, rng).replica_id == "r1"  # type: ignore[union-attr]
+    assert router.route(views, "reserved", CFG, rng).replica_id == "r1"  # type: ignore[union-attr]
     # standard never enters the pool even when it is the emptiest
     quiet_pool = [view("r1", 0.0, pool="reserved"), view("s1", 0.84)]
-    assert policy.route(quiet_pool, "standard", CFG, rng).replica_id == "s1"  # type: ignore[union-attr]
+    assert router.route(quiet_pool, "standard", CFG, rng).replica_id == "s1"  # type: ignore[union-attr]
     # pool above 0.92: try another -> shared
     hot_pool = [view("r1", 0.95, pool="reserved"), view("s1", 0.90)]
-    assert policy.route(hot_pool, "reserved", CFG, rng).replica_id == "s1"  # type: ignore[union-attr]
+    assert router.route(hot_pool, "reserved", CFG, rng).replica_id == "s1"  # type: ignore[union-attr]
 
 
 def test_round_robin_and_emptiest_strategies() -> None:
     views = [view("a", 0.3), view("b", 0.1), view("c", 0.2)]
     rr = AdmissionConfig(strategy="round_robin")
     picks = [
-        policy.route(views, "standard", rr, random.Random(0), turn=t).replica_id  # type: ignore[union-attr]
+        router.route(views, "standard", rr, random.Random(0), turn=t).replica_id  # type: ignore[union-attr]
         for t in range(4)
     ]
     assert picks == ["a", "b", "c", "a"]
     em = AdmissionConfig(strategy="emptiest")
-    assert policy.route(views, "standard", em, random.Random(0)).replica_id == "b"  # type: ignore[union-attr]
+    assert router.route(views, "standard", em, random.Random(0)).replica_id == "b"  # type: ignore[union-attr]
 
 
-# -- R6 jitter and retry budget ----------------------------------------------------------
+# -- jitter and the retry budget (docs/design.md R6) ---------------------------------------
 
 
 @given(st.floats(min_value=0, max_value=120_000), st.integers(0, 2**32))
 def test_quota_retry_after_is_at_least_when_the_limit_frees(frees: float, seed: int) -> None:
-    ms = policy.quota_retry_after_ms(frees, CFG, random.Random(seed))
+    ms = retry.quota_retry_after_ms(frees, CFG, random.Random(seed))
     assert frees <= ms <= frees + max(CFG.quota_jitter_min_ms, frees * 0.5) + 1
 
 
 def test_jitter_bounds_and_spread() -> None:
     rng = random.Random(7)
-    storm = [policy.storm_retry_after_ms(CFG, rng) for _ in range(500)]
+    storm = [retry.storm_retry_after_ms(CFG, rng) for _ in range(500)]
     assert all(30_000 <= s <= 60_001 for s in storm)
     assert max(storm) - min(storm) > 20_000  # spread across the window, not clumped
-    cap = [policy.capacity_retry_after_ms(CFG, rng) for _ in range(500)]
+    cap = [retry.capacity_retry_after_ms(CFG, rng) for _ in range(500)]
     assert all(5_000 <= c <= 10_001 for c in cap)
     assert len(set(cap)) > 450  # no two clients told the same instant (ms resolution)
-    assert policy.retry_headers(1001) == {"retry-after": "2", "retry-after-ms": "1001"}
-    assert policy.retry_headers(1) == {"retry-after": "1", "retry-after-ms": "1"}
+    assert retry.retry_headers(1001) == {"retry-after": "2", "retry-after-ms": "1001"}
+    assert retry.retry_headers(1) == {"retry-after": "1", "retry-after-ms": "1"}
 
 
 @pytest.mark.parametrize(
@@ -210,19 +215,19 @@ def test_jitter_bounds_and_spread() -> None:
     ],
 )
 def test_retry_budget(admitted: int, retries: int, storm: bool) -> None:
-    assert policy.in_retry_storm(admitted, retries, CFG) is storm
+    assert retry.in_retry_storm(admitted, retries, CFG) is storm
 
 
 def test_only_non_reserved_retries_are_shed() -> None:
-    assert policy.sheds_retry(True, "standard", True)
-    assert policy.sheds_retry(True, "best_effort", True)
-    assert not policy.sheds_retry(True, "reserved", True)
-    assert not policy.sheds_retry(False, "standard", True)
-    assert not policy.sheds_retry(True, "standard", False)
+    assert retry.sheds_retry(True, "standard", True)
+    assert retry.sheds_retry(True, "best_effort", True)
+    assert not retry.sheds_retry(True, "reserved", True)
+    assert not retry.sheds_retry(False, "standard", True)
+    assert not retry.sheds_retry(True, "standard", False)
 
 
 def test_retry_window_slides() -> None:
-    w = policy.WindowCounts(window_s=60, slots=6)
+    w = retry.WindowCounts(window_s=60, slots=6)
     for i in range(10):
         w.record(100.0 + i, flagged=i % 2 == 0)
     assert w.counts(110.0) == (10, 5)
@@ -247,11 +252,11 @@ def test_retry_window_slides() -> None:
     ],
 )
 def test_reset_durations_are_formatted_like_openai(ms: float, text: str) -> None:
-    assert policy.format_reset(ms) == text
+    assert ratelimit.format_reset(ms) == text
 
 
 def test_rate_limit_headers() -> None:
-    h = policy.RateLimitState(60, 59, 1000, 150_000, -20, 360_000).headers()
+    h = ratelimit.RateLimitState(60, 59, 1000, 150_000, -20, 360_000).headers()
     assert h == {
         "x-ratelimit-limit-requests": "60",
         "x-ratelimit-limit-tokens": "150000",
@@ -263,27 +268,27 @@ def test_rate_limit_headers() -> None:
 
 
 def test_token_bucket_arithmetic() -> None:
-    assert policy.bucket_level(None, None, 5, 600) == 600  # absent = full
-    assert policy.bucket_level(0.0, 0, 30_000, 600) == 300  # half a minute refills half
-    assert policy.bucket_level(500.0, 0, 60_000, 600) == 600  # never above capacity
-    assert policy.bucket_reset_ms(300, 600) == 30_000
-    b = policy.LocalBucket(100)
+    assert ratelimit.bucket_level(None, None, 5, 600) == 600  # absent = full
+    assert ratelimit.bucket_level(0.0, 0, 30_000, 600) == 300  # half a minute refills half
+    assert ratelimit.bucket_level(500.0, 0, 60_000, 600) == 600  # never above capacity
+    assert ratelimit.bucket_reset_ms(300, 600) == 30_000
+    b = ratelimit.LocalBucket(100)
     assert b.take(40, 0) == 60
     b.give(100, 0)
     assert b.level == 100
 
 
 def test_vllm_priority_orders_classes() -> None:
-    p = policy.VLLM_PRIORITY
+    p = config.VLLM_PRIORITY
     assert p["reserved"] < p["standard"] < p["best_effort"]
 
 
 def test_best_effort_floor_keeps_free_traffic_above_zero() -> None:
     # the first of a window always passes, then at most 5 % of admissions
-    assert policy.best_effort_floor_allows(0, 0, CFG)
-    assert not policy.best_effort_floor_allows(10, 1, CFG)
-    assert policy.best_effort_floor_allows(100, 4, CFG)
-    assert not policy.best_effort_floor_allows(100, 5, CFG)
+    assert classes.best_effort_floor_allows(0, 0, CFG)
+    assert not classes.best_effort_floor_allows(10, 1, CFG)
+    assert classes.best_effort_floor_allows(100, 4, CFG)
+    assert not classes.best_effort_floor_allows(100, 5, CFG)
 
 
 def test_config_from_env_reads_every_knob_and_names_bad_input() -> None:
@@ -312,16 +317,16 @@ def test_config_from_env_reads_every_knob_and_names_bad_input() -> None:
 def test_capacity_layer_off_makes_every_replica_eligible() -> None:
     off = AdmissionConfig(layers=frozenset({"requests"}))
     views = [view("r1", 0.99, pool="reserved"), view("s1", 0.97)]
-    assert len(policy.eligible(views, "best_effort", off)) == 2
-    assert policy.route(views, "best_effort", off, random.Random(0)) is not None
+    assert len(routing.eligible(views, "best_effort", off)) == 2
+    assert router.route(views, "best_effort", off, random.Random(0)) is not None
 
 
 # -- early dispatch ------------------------------------------------------------------------
 
 
 def _allowed(
-    headroom: policy.Headroom,
-    undecided: policy.Undecided | None = None,
+    headroom: early.Headroom,
+    undecided: early.Undecided | None = None,
     *,
     now: float = 10.0,
     cfg: AdmissionConfig | None = None,
@@ -329,26 +334,26 @@ def _allowed(
 ) -> bool:
     q = {"rpm": 100, "tpm": 10_000, "kv_cap_milli": 1_000_000, "est_tokens": 100}
     q.update({"est_kv_milli": 10_000, **request})
-    return policy.early_dispatch_allowed(
-        headroom, undecided or policy.Undecided(), now=now, cfg=cfg or AdmissionConfig(), **q
+    return early.early_dispatch_allowed(
+        headroom, undecided or early.Undecided(), now=now, cfg=cfg or AdmissionConfig(), **q
     )
 
 
 def test_early_dispatch_needs_a_margin_on_every_limit_a_recent_answer_and_few_pending() -> None:
-    roomy = policy.Headroom(at=9.5, requests=50, tokens=5_000, inflight_kv_milli=100_000)
+    roomy = early.Headroom(at=9.5, requests=50, tokens=5_000, inflight_kv_milli=100_000)
     assert _allowed(roomy)
     # each layer keeps 25 % of its limit free after this request and the undecided ones
     assert _allowed(replace(roomy, requests=26)) and not _allowed(replace(roomy, requests=25))
     assert _allowed(replace(roomy, tokens=2_600)) and not _allowed(replace(roomy, tokens=2_599))
     assert _allowed(roomy, est_kv_milli=650_000)
     assert not _allowed(roomy, est_kv_milli=650_001)
-    assert not _allowed(roomy, policy.Undecided(requests=25, tokens=0, kv_milli=0))
-    assert not _allowed(roomy, policy.Undecided(requests=1, tokens=2_401, kv_milli=0))
+    assert not _allowed(roomy, early.Undecided(requests=25, tokens=0, kv_milli=0))
+    assert not _allowed(roomy, early.Undecided(requests=1, tokens=2_401, kv_milli=0))
     # an unlimited layer (0) never stands in the way
     assert _allowed(replace(roomy, requests=0, tokens=0), rpm=0, tpm=0, kv_cap_milli=0)
     # the answer must be recent, and only so many may be awaiting theirs
     assert _allowed(roomy, now=10.5) and not _allowed(roomy, now=10.6)
-    assert not _allowed(roomy, policy.Undecided(requests=8))
+    assert not _allowed(roomy, early.Undecided(requests=8))
     assert not _allowed(roomy, cfg=AdmissionConfig(early_dispatch=False))
 
 
@@ -364,3 +369,54 @@ def test_early_dispatch_knobs_from_the_environment() -> None:
     assert cfg.early_dispatch_margin == 0.5 and cfg.early_dispatch_max_age_s == 2.5
     with pytest.raises(ValueError, match="early_dispatch_margin"):
         AdmissionConfig(early_dispatch_margin=1.5)
+
+
+def test_the_headers_report_the_tighter_of_a_keys_limits_and_its_tenants() -> None:
+    tenant = ratelimit.RateLimitState(100, 40, 36_000, 10_000, 9_000, 6_000)
+    key = ratelimit.RateLimitState(10, 3, 42_000, 50_000, 49_000, 1_200)
+    both = ratelimit.tighter_state(tenant, key)
+    # requests: the key has less left; tokens: the tenant has
+    assert (both.limit_requests, both.remaining_requests, both.reset_requests_ms) == (
+        10,
+        3,
+        42_000,
+    )
+    assert (both.limit_tokens, both.remaining_tokens, both.reset_tokens_ms) == (
+        10_000,
+        9_000,
+        6_000,
+    )
+    assert ratelimit.tighter_state(tenant, None) is tenant
+    # an unlimited side (0) never binds: an unlimited tenant reports the key's limit
+    open_tenant = ratelimit.RateLimitState(0, 0, 0, 0, 0, 0)
+    assert ratelimit.tighter_state(open_tenant, key) == key
+    no_rates = ratelimit.RateLimitState(0, 0, 0, 0, 0, 0)
+    assert ratelimit.tighter_state(tenant, no_rates) == tenant
+
+
+_state = st.builds(
+    ratelimit.RateLimitState,
+    st.integers(0, 1000),
+    st.integers(0, 1000),
+    st.integers(0, 60_000),
+    st.integers(0, 10**6),
+    st.integers(0, 10**6),
+    st.integers(0, 60_000),
+)
+
+
+@given(_state, _state)
+def test_the_tighter_state_reports_the_least_remaining_of_the_limited_sides(
+    tenant: ratelimit.RateLimitState, key: ratelimit.RateLimitState
+) -> None:
+    both = ratelimit.tighter_state(tenant, key)
+    for limit, rem in (
+        ("limit_requests", "remaining_requests"),
+        ("limit_tokens", "remaining_tokens"),
+    ):
+        limited = [s for s in (tenant, key) if getattr(s, limit) > 0]
+        if limited:
+            assert getattr(both, rem) == min(getattr(s, rem) for s in limited)
+            assert getattr(both, limit) > 0
+        else:
+            assert getattr(both, limit) == 0

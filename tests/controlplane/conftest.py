@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import redis
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
 from rest_framework.test import APIClient
 
 from catalog import services as catalog_services
@@ -21,7 +22,7 @@ from catalog.models import ModelFamily, ModelVersion
 from tenants import services
 from tenants.demo import MODELS, PLANS, plan_limits
 from tenants.models import Plan, Role, Tenant
-from tenants.readmodel import ReadModel, read_model
+from tenants.readmodel import ReadModelPublisher, read_model
 
 
 def _clear(client: redis.Redis) -> None:
@@ -31,9 +32,9 @@ def _clear(client: redis.Redis) -> None:
 
 
 @pytest.fixture
-def rm(redis_url: str, settings: Any) -> Iterator[ReadModel]:
-    """The ReadModel the app uses, pointed at the suite's Redis, cleared around the test."""
-    settings.REDIS_URL = redis_url
+def rm(redis_url: str, settings: Any) -> Iterator[ReadModelPublisher]:
+    """The publisher the app uses, pointed at the suite's Redis, cleared around the test."""
+    settings.REDIS_URL = settings.READMODEL_REDIS_URL = redis_url
     model = read_model()
     _clear(model.redis)
     yield model
@@ -42,20 +43,8 @@ def rm(redis_url: str, settings: Any) -> Iterator[ReadModel]:
 
 @pytest.fixture
 def family_70b(db: None) -> ModelFamily:
-    demo = MODELS[0]
-    family = catalog_services.family_upsert(name=demo.family, display_name=demo.display_name)
-    version = catalog_services.version_upsert(
-        family=family,
-        name=demo.version,
-        context_length=demo.context_length,
-        kv_bytes_per_token=demo.kv_bytes_per_token,
-        tpot_target_ms=demo.tpot_target_ms,
-        kv_capacity_tokens=demo.kv_capacity_tokens,
-        price_prompt_per_mtok=demo.price_prompt_per_mtok,
-        price_cached_prompt_per_mtok=demo.price_cached_prompt_per_mtok,
-        price_completion_per_mtok=demo.price_completion_per_mtok,
-    )
-    catalog_services.version_make_current(version=version)
+    version = MODELS[0].upsert(make_current=True)
+    family = version.family
     catalog_services.replica_upsert(version=version, name="r70-a", base_url="http://127.0.0.1:9101")
     return family
 
@@ -126,6 +115,24 @@ def owner_a(tenant_a: Tenant) -> Any:
     return tenant_a.memberships.get(role=Role.OWNER).user
 
 
+def grant(user: Any, *perms: str) -> Any:
+    """``user`` holding each ``app_label.codename`` permission, reloaded (Django caches a
+    user's permissions on the instance)."""
+    for perm in perms:
+        app_label, codename = perm.split(".")
+        user.user_permissions.add(
+            Permission.objects.get(codename=codename, content_type__app_label=app_label)
+        )
+    return type(user).objects.get(pk=user.pk)
+
+
 @pytest.fixture
-def staff(make_user: Callable[..., Any]) -> Any:
-    return make_user("operator", is_staff=True)
+def operator(make_user: Callable[..., Any]) -> Any:
+    """An operator: a staff account holding tenants.operate (tenants.permissions)."""
+    return grant(make_user("operator", is_staff=True), "tenants.operate")
+
+
+@pytest.fixture
+def plain_staff(make_user: Callable[..., Any]) -> Any:
+    """A staff account with no permission: it may sign in to the admin, and operates nothing."""
+    return make_user("staff-only", is_staff=True)

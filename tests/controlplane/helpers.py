@@ -2,39 +2,41 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import redis
 
-from gateway import schema
+from contracts import schema
+from tests.support import wait_until
 
 
 def wait_for_change(
     pubsub: redis.client.PubSub, *, kind: str, ident: str, timeout: float = 5.0
 ) -> schema.Change:
     """The first Change matching kind/ident; other publishers' messages are skipped."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def matching() -> schema.Change | None:
         message = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
         if message is None or message["type"] != "message":
-            continue
+            return None
         change = schema.load_change(message["data"])
-        if change.kind == kind and change.ident == ident:
-            return change
-    raise AssertionError(f"no {kind} change for {ident!r} within {timeout}s")
+        return change if change.kind == kind and change.ident == ident else None
+
+    # get_message waits up to 0.2 s itself: no pause between polls
+    return wait_until(matching, timeout, 0, f"a {kind} change for {ident!r}")
 
 
 def subscribe(client: redis.Redis) -> redis.client.PubSub:
     pubsub = client.pubsub()
     pubsub.subscribe(schema.CHANGES_CHANNEL)
     # Wait for the subscription to be active before anything is published.
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
+
+    def confirmed() -> bool:
         message = pubsub.get_message(timeout=0.2)
-        if message and message["type"] == "subscribe":
-            return pubsub
-    raise AssertionError("subscription not confirmed")
+        return bool(message and message["type"] == "subscribe")
+
+    wait_until(confirmed, 5, 0, "the subscription confirmed")
+    return pubsub
 
 
 def error_of(response: Any) -> dict[str, Any]:

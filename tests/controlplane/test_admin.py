@@ -3,13 +3,14 @@ and the revoke action reaches the read model."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 from django.contrib.messages import get_messages
 from django.test import Client
 
-from gateway import schema
+from contracts import schema
 from tenants import services
 from tenants.models import ApiKey, Tenant
 
@@ -58,12 +59,15 @@ def test_admin_key_creation_shows_secret_once(
             "expires_at_0": "",
             "expires_at_1": "",
         },
-        follow=True,
     )
-    assert response.status_code == 200
+    assert response.status_code == 200 and "no-store" in response["Cache-Control"]
     created = ApiKey.objects.get(name="from-admin")
-    shown = [str(m) for m in get_messages(response.wsgi_request)]
-    secret = next(m.rsplit(" ", 1)[1] for m in shown if "cannot be shown again" in m)
+    found = re.search(rb'id="api-key-secret"[^>]*>(fw-[A-Za-z0-9_-]+)<', response.content)
+    assert found is not None
+    secret = found.group(1).decode()
+    # Shown in this response only: in no message, so in no cookie or session.
+    assert not [m for m in get_messages(response.wsgi_request) if secret in str(m)]
+    assert all(secret not in c.value for c in response.cookies.values())
     assert created.key_hash == schema.hash_api_key(secret, services.key_pepper())
     assert created.scopes == ["chat"]
     assert (

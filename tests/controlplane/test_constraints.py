@@ -69,9 +69,6 @@ def test_database_rejects_duplicates(
             kv_bytes_per_token=1,
             tpot_target_ms=1,
             kv_capacity_tokens=1,
-            price_prompt_per_mtok=1,
-            price_cached_prompt_per_mtok=1,
-            price_completion_per_mtok=1,
         )
 
 
@@ -91,9 +88,11 @@ def test_database_rejects_duplicates(
     ],
 )
 def test_limit_api_rejects_bad_input_with_field_errors(
-    tenant_a: Tenant, staff: Any, client_for: Any, body: dict[str, Any], param: str
+    tenant_a: Tenant, operator: Any, client_for: Any, body: dict[str, Any], param: str
 ) -> None:
-    response = client_for(staff).post(f"/api/v1/tenants/{tenant_a.id}/limits/", body, format="json")
+    response = client_for(operator).post(
+        f"/api/v1/tenants/{tenant_a.id}/limits/", body, format="json"
+    )
     assert response.status_code == 400, response.content
     error = error_of(response)
     assert error["type"] == "invalid_request_error"
@@ -101,8 +100,10 @@ def test_limit_api_rejects_bad_input_with_field_errors(
     assert not TenantModelLimit.objects.filter(tenant=tenant_a).exists()
 
 
-def test_limit_api_upserts_one_row_per_model(tenant_a: Tenant, staff: Any, client_for: Any) -> None:
-    client = client_for(staff)
+def test_limit_api_upserts_one_row_per_model(
+    tenant_a: Tenant, operator: Any, client_for: Any
+) -> None:
+    client = client_for(operator)
     url = f"/api/v1/tenants/{tenant_a.id}/limits/"
     for rpm in (5, 6):
         assert (
@@ -185,12 +186,12 @@ KEY_KEYS = ["name", "scopes", "expires_at"]
 )
 def test_fuzzed_bodies_never_cause_a_server_error(
     tenant_a: Tenant,
-    staff: Any,
+    operator: Any,
     client_for: Any,
     limit_body: dict[str, Any],
     key_body: dict[str, Any],
 ) -> None:
-    client = client_for(staff)
+    client = client_for(operator)
     for url, body in (
         (f"/api/v1/tenants/{tenant_a.id}/limits/", limit_body),
         (f"/api/v1/tenants/{tenant_a.id}/keys/", key_body),
@@ -204,13 +205,13 @@ def test_fuzzed_bodies_never_cause_a_server_error(
 
 
 def test_override_for_a_family_without_plan_default_needs_every_limit(
-    tenant_a: Tenant, staff: Any, client_for: Any
+    tenant_a: Tenant, operator: Any, client_for: Any
 ) -> None:
     from catalog import services as catalog_services
 
     catalog_services.family_upsert(name="llama-8b")
     url = f"/api/v1/tenants/{tenant_a.id}/limits/"
-    client = client_for(staff)
+    client = client_for(operator)
     response = client.post(url, {"model": "llama-8b", "rpm": 5}, format="json")
     assert response.status_code == 400
     assert set(error_of(response)["fields"]) == {

@@ -65,8 +65,8 @@ def test_anonymous_callers_are_refused(tenant_a: Tenant) -> None:
     assert (error["type"], error["code"]) == ("authentication_error", "not_authenticated")
 
 
-def test_staff_operators_see_every_tenant(
-    tenant_a: Tenant, tenant_b: Tenant, staff: Any, client_for: Any
+def test_operators_see_every_tenant(
+    tenant_a: Tenant, tenant_b: Tenant, operator: Any, client_for: Any
 ) -> None:
-    listed = client_for(staff).get("/api/v1/tenants/").json()
+    listed = client_for(operator).get("/api/v1/tenants/").json()
     assert {t["id"] for t in listed} == {str(tenant_a.id), str(tenant_b.id)}

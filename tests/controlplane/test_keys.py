@@ -9,7 +9,7 @@ import pytest
 from django.forms.models import model_to_dict
 from django.utils import timezone
 
-from gateway import schema
+from contracts import schema
 from tenants import services
 from tenants.models import ApiKey, Tenant
 from tenants.tasks import api_key_last_used_flush

@@ -9,20 +9,46 @@ import pytest
 from django.core.management import call_command
 from django.db import transaction
 
+from bench.cluster import redis_url_with_db
 from catalog import services as catalog_services
 from catalog.models import ModelFamily, ModelVersion
-from gateway import schema
+from contracts import schema
 from tenants import services
 from tenants.demo import MODELS, PLANS, plan_limits
 from tenants.models import Plan, Tenant
+from tenants.readmodel import read_model
+from tests.support import flushed_redis
 
 from .helpers import subscribe, wait_for_change
+
+
+def resolved(catalog: schema.Catalog, name: str) -> schema.ModelVersionRecord:
+    """The version ``name`` (an alias or a pinned version) resolves to; it must resolve."""
+    version = catalog.resolve(name)
+    assert version is not None, name
+    return version
 
 
 def _push_config() -> str:
     out = io.StringIO()
     call_command("push_config", stdout=out)
     return out.getvalue()
+
+
+@pytest.mark.django_db
+def test_the_read_model_goes_to_its_own_redis_when_set(
+    redis_url: str, settings: Any, tenant_a: Tenant
+) -> None:
+    """READMODEL_REDIS_URL set: the publisher writes there and nothing to REDIS_URL's DB."""
+    settings.REDIS_URL = redis_url
+    settings.READMODEL_REDIS_URL = redis_url_with_db(redis_url, 13)
+    with flushed_redis(redis_url) as shared, flushed_redis(settings.READMODEL_REDIS_URL) as own:
+        services.api_key_create(tenant=tenant_a, name="a1")
+        assert "rebuilt" in _push_config()
+        published = read_model().snapshot()
+        assert published and all(own.get(k) == v for k, v in published.items())
+        assert own.exists(schema.tenant_redis_key(str(tenant_a.id)), schema.VERSION_KEY) == 2
+        assert list(shared.scan_iter(count=1000)) == []
 
 
 @pytest.mark.django_db
@@ -120,18 +146,18 @@ def test_catalog_resolves_alias_to_current_version_and_keeps_pins(
             version=newer, name="r70-new", base_url="http://127.0.0.1:9201", pool="reserved"
         )
     catalog = schema.load_catalog(rm.redis.get(schema.CATALOG_KEY))
-    assert catalog.resolve("llama-70b").version == version_70b.name
-    assert catalog.resolve(version_70b.name).replicas == (
+    assert resolved(catalog, "llama-70b").version == version_70b.name
+    assert resolved(catalog, version_70b.name).replicas == (
         schema.ReplicaRecord(replica_id="r70-a", base_url="http://127.0.0.1:9101", pool="shared"),
     )
 
     with django_capture_on_commit_callbacks(execute=True):
         catalog_services.version_make_current(version=newer)
     catalog = schema.load_catalog(rm.redis.get(schema.CATALOG_KEY))
-    assert catalog.resolve("llama-70b").version == "llama-70b-2026-09"
-    assert catalog.resolve("llama-70b").replicas[0].pool == "reserved"
-    assert catalog.resolve(version_70b.name).version == version_70b.name  # pin kept
-    assert catalog.resolve("llama-70b").kv_capacity_tokens == 565_248
+    assert resolved(catalog, "llama-70b").version == "llama-70b-2026-09"
+    assert resolved(catalog, "llama-70b").replicas[0].pool == "reserved"
+    assert resolved(catalog, version_70b.name).version == version_70b.name  # pin kept
+    assert resolved(catalog, "llama-70b").kv_capacity_tokens == 565_248
 
 
 @pytest.mark.django_db(transaction=True)

@@ -1,5 +1,5 @@
 """Role checks: owner/admin manage keys and members; member reads keys and limits; billing
-sees neither keys, limits nor members (invoices only, a later issue); only staff write
+sees neither keys, limits nor members (invoices only, served by billing/); only operators write
 limits and plans; only owners touch the owner role; a tenant keeps at least one owner."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_role_matrix(
 
     assert _status(client, "get", f"{base}/limits/") == read_limits
     assert _status(client, "get", f"{base}/members/") == manage_members
-    # Every role sees its own tenant (billing needs it for invoices); nobody but staff
+    # Every role sees its own tenant (billing needs it for invoices); nobody but operators
     # changes limits.
     assert _status(client, "get", f"{base}/") == 200
     assert _status(client, "post", f"{base}/limits/", LIMIT) == 403
@@ -71,22 +71,22 @@ def test_role_matrix(
         assert error["type"] == "permission_error" and role in error["message"]
 
 
-def test_only_staff_write_limits_plans_and_suspension(
-    tenant_a: Tenant, owner_a: Any, staff: Any, client_for: Any
+def test_only_operators_write_limits_plans_and_suspension(
+    tenant_a: Tenant, owner_a: Any, operator: Any, client_for: Any
 ) -> None:
     base = f"/api/v1/tenants/{tenant_a.id}"
     assert _status(client_for(owner_a), "patch", f"{base}/", {"plan": "enterprise"}) == 403
     assert _status(client_for(owner_a), "patch", f"{base}/", {"suspended": True}) == 403
     assert _status(client_for(owner_a), "patch", f"{base}/", {"name": "renamed"}) == 200
 
-    operator = client_for(staff)
-    response = operator.post(f"{base}/limits/", LIMIT, format="json")
+    as_operator = client_for(operator)
+    response = as_operator.post(f"{base}/limits/", LIMIT, format="json")
     assert response.status_code == 200 and response.json()["rpm"] == 5
     assert response.json()["source"] == "override"
-    assert _status(operator, "patch", f"{base}/", {"plan": "enterprise"}) == 200
-    assert _status(operator, "delete", f"{base}/limits/llama-70b/") == 204
+    assert _status(as_operator, "patch", f"{base}/", {"plan": "enterprise"}) == 200
+    assert _status(as_operator, "delete", f"{base}/limits/llama-70b/") == 204
     assert client_for(owner_a).get(f"{base}/limits/llama-70b/").json()["source"] == "plan"
-    assert _status(operator, "delete", f"{base}/limits/llama-70b/") == 404
+    assert _status(as_operator, "delete", f"{base}/limits/llama-70b/") == 404
 
 
 def test_owner_role_rules(

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
+from django.http import HttpRequest
 from rest_framework.test import APIClient
 
 from catalog.models import Replica
-from gateway import schema
+from contracts import schema
 from tenants.models import ApiKey, Tenant
 from tenants.services import key_pepper
 
@@ -68,8 +69,9 @@ def test_seed_demo_is_idempotent_and_feeds_the_read_model(rm: Any, tmp_path: Pat
     free = schema.load_tenant(snapshot[schema.tenant_redis_key(first["demo-free"]["tenant_id"])])
     assert free.limits["llama-70b"].max_context == 8192
     catalog = schema.load_catalog(snapshot[schema.CATALOG_KEY])
-    assert catalog.resolve("llama-70b").kv_bytes_per_token == 327680
-    assert len(catalog.resolve("llama-70b").replicas) == 3
+    llama = catalog.resolve("llama-70b")
+    assert llama is not None and llama.kv_bytes_per_token == 327680
+    assert len(llama.replicas) == 3
 
     # A lost keys file means new keys (secrets cannot be recovered); replicas follow flags.
     keys_out.unlink()
@@ -97,7 +99,10 @@ def test_token_and_session_auth_work_for_the_demo_owner(rm: Any, tmp_path: Path)
     assert obtained.status_code == 200 and obtained.json()["token"] == info["owner_token"]
 
     session = APIClient(enforce_csrf_checks=True)
-    assert session.login(username=info["owner"], password=info["owner_password"])
+    # django-axes checks every password sign-in against its lockouts, so it needs the request.
+    assert session.login(
+        request=HttpRequest(), username=info["owner"], password=info["owner_password"]
+    )
     keys_url = f"/api/v1/tenants/{info['tenant_id']}/keys/"
     assert session.get(keys_url).status_code == 200
     assert session.post(keys_url, {"name": "no-csrf"}, format="json").status_code == 403

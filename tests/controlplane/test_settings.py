@@ -20,6 +20,9 @@ CONTROLLED = (
     "FAIRWAY_CACHE_SALT_KEY",
     "DATABASE_URL",
     "REDIS_URL",
+    "READMODEL_REDIS_URL",
+    "CELERY_BROKER_URL",
+    "FAIRWAY_THROTTLE_REDIS_URL",
 )
 
 
@@ -69,6 +72,19 @@ def test_production_refuses_unsafe_configuration() -> None:
         **{**_good_env(), "FAIRWAY_KEY_PEPPER": "fairway-dev-key-pepper-not-secret"}
     )
     assert dev_secret.returncode != 0 and "FAIRWAY_KEY_PEPPER" in dev_secret.stderr
+
+
+def test_production_refuses_a_redis_role_url_that_is_not_redis() -> None:
+    bad = _start(**_good_env(), READMODEL_REDIS_URL="127.0.0.1:6379/12")
+    assert bad.returncode != 0
+    assert "READMODEL_REDIS_URL must be a redis://" in bad.stderr
+    assert "CELERY_BROKER_URL" not in bad.stderr  # defaulted to REDIS_URL, which is fine
+    split = _start(
+        **_good_env(),
+        READMODEL_REDIS_URL="rediss://readmodel.internal:6380/0",
+        CELERY_BROKER_URL="redis://broker.internal:6379/0",
+    )
+    assert split.returncode == 0, split.stderr
 
 
 def test_production_starts_with_a_proper_environment() -> None:

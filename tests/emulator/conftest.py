@@ -60,7 +60,11 @@ def run_until_idle(engine: Engine, max_steps: int = 100_000) -> None:
 
 @pytest.fixture
 async def emu() -> AsyncIterator[EmulatorHandle]:
-    async with running_emulator(profile="llama-8b-tp1-h100", model=MODEL, speed=20) as handle:
+    """A replica as the platform runs it: usage carries cached_tokens (the vLLM defaults have
+    their own tests in test_vllm_defaults.py)."""
+    async with running_emulator(
+        profile="llama-8b-tp1-h100", model=MODEL, speed=20, enable_prompt_tokens_details=True
+    ) as handle:
         yield handle
 
 

@@ -1,5 +1,5 @@
-"""vLLM's ``--long-prefill-token-threshold`` (vllm-api.md §6): one long prefill may not take
-a step's whole chunk budget, so a short request admitted behind it still prefills."""
+"""vLLM's ``--long-prefill-token-threshold`` (a scheduler setting): one long prefill may not
+take a step's whole chunk budget, so a short request admitted behind it still prefills."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Scheduler behaviour against vllm-api.md §6, driven through the Engine in model time."""
+"""Scheduler behaviour as vLLM's V1 scheduler has it (emulator/README.md), driven through the
+Engine in model time."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import statistics
 
 import pytest
 
-from emulator.engine import RUNNING, WAITING
+from emulator.engine import RUNNING, WAITING, Request
 
 from .conftest import run_until_idle, small_engine
 
@@ -30,7 +31,7 @@ def test_priority_policy_preempts_the_largest_priority_value() -> None:
     engine = small_engine(kv_capacity_tokens=17 * 16, scheduling_policy="priority")
     low = engine.add_request("important", prompt(0, 64), 200, priority=0, ignore_eos=True)
     high = engine.add_request("cheap", prompt(1, 64), 200, priority=5, ignore_eos=True)
-    preempted = []
+    preempted: list[Request] = []
     while engine.has_work() and not preempted:
         preempted = engine.step().preempted
     assert preempted == [high]
@@ -41,7 +42,7 @@ def test_fcfs_policy_preempts_the_last_running_request() -> None:
     engine = small_engine(kv_capacity_tokens=17 * 16, scheduling_policy="fcfs")
     first = engine.add_request("first", prompt(0, 64), 200, priority=9, ignore_eos=True)
     last = engine.add_request("last", prompt(1, 64), 200, priority=0, ignore_eos=True)
-    preempted = []
+    preempted: list[Request] = []
     while engine.has_work() and not preempted:
         preempted = engine.step().preempted
     assert preempted == [last]  # priority is ignored under fcfs

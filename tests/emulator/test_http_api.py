@@ -1,4 +1,5 @@
-"""vLLM's HTTP API shapes over real loopback HTTP (vllm-api.md §1–3)."""
+"""vLLM's HTTP API shapes over real loopback HTTP (endpoints, request fields, JSON and SSE
+responses, errors)."""
 
 from __future__ import annotations
 
@@ -75,8 +76,28 @@ async def test_continuous_usage_stats(client: httpx.AsyncClient) -> None:
     options = {"include_usage": True, "continuous_usage_stats": True}
     body = chat("hi there", max_tokens=3, ignore_eos=True, stream=True, stream_options=options)
     events = await post_stream(client, body)
-    counts = [e["usage"]["completion_tokens"] for e in events[1:-2]]
-    assert counts == [1, 2, 3]
+    counts = [e["usage"]["completion_tokens"] for e in events[:-2]]
+    assert counts == [0, 1, 2, 3]  # vLLM's role chunk carries the prompt's count too
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert {e["usage"]["prompt_tokens"] for e in events[:-1]} == {
+        events[-2]["usage"]["prompt_tokens"]
+    }
+
+
+async def test_continuous_usage_stats_per_choice(client: httpx.AsyncClient) -> None:
+    """n > 1: each choice's role chunk carries the prompt count and 0 generated, each later
+    chunk its own choice's running count; the final usage chunk sums the choices."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = chat("hi there", n=2, max_tokens=3, ignore_eos=True, stream=True, stream_options=options)
+    *chunks, final, done = await post_stream(client, body)
+    assert done == "[DONE]" and final["choices"] == []
+    counts: dict[int, list[int]] = {}
+    for event in chunks:
+        (choice,) = event["choices"]
+        assert event["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"]
+        counts.setdefault(choice["index"], []).append(event["usage"]["completion_tokens"])
+    assert counts == {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}
+    assert final["usage"]["completion_tokens"] == 6
 
 
 async def test_non_streaming_response_shape(client: httpx.AsyncClient) -> None:
@@ -178,7 +199,7 @@ async def test_good_cache_salt_lengths_pass(client: httpx.AsyncClient) -> None:
         ({"model": MODEL, "messages": [{"content": "no role"}]}, "messages.0.role"),
         ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
         ({"model": MODEL, "messages": []}, "messages"),
-        (chat("hi", n=2), "n"),
+        (chat("hi", n=0), "n"),
         (chat("hi", max_tokens=2, min_tokens=3), "min_tokens"),
         (chat("hi", min_tokens=-1), "min_tokens"),
     ],

@@ -1,13 +1,20 @@
-"""A client that hangs up aborts its request and frees its KV blocks within one engine step."""
+"""A client that hangs up aborts its request and frees its KV blocks within one engine step.
+
+Counted are the steps the engine's clock had not yet reached when the client hung up: a
+loaded machine leaves the engine loop behind the wall clock, and while it catches up it runs
+steps that were due before the hang-up, one per event-loop turn, as the close travels
+(client close, the server's EOF, the watcher task). Those were owed before the client left;
+a step due after it must not run for the request."""
 
 from __future__ import annotations
 
 import asyncio
-import time
+from typing import Any
 
 import orjson
 
 from emulator.testing import EmulatorHandle, running_emulator
+from tests.support import wait_until_async
 
 from .conftest import MODEL, chat, words
 
@@ -27,17 +34,24 @@ async def open_request(
 
 
 async def hang_up_and_measure(emu: EmulatorHandle, writer: asyncio.StreamWriter) -> int:
-    """Close the socket; return how many engine steps ran before the blocks were free."""
-    engine = emu.engine
-    steps_at_close = engine.stats.num_steps
-    writer.close()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        if not engine.pool.num_used:
-            break
-        await asyncio.sleep(0.001)
-    assert engine.pool.num_used == 0, "blocks not freed after disconnect"
-    return engine.stats.num_steps - steps_at_close
+    """Close the socket; return how many engine steps due after the hang-up (by the engine's
+    model clock) ran before the blocks were free."""
+    engine, driver = emu.engine, emu.app.driver
+    starts: list[float] = []
+    step = engine.step
+
+    def recording_step() -> Any:
+        starts.append(engine.now)
+        return step()
+
+    engine.step = recording_step  # type: ignore[method-assign]
+    try:
+        hung_up_at = driver.model_now()
+        writer.close()
+        await wait_until_async(lambda: not engine.pool.num_used, 5, 0.001, "blocks freed")
+    finally:
+        del engine.step  # back to the class's method
+    return sum(start >= hung_up_at for start in starts)
 
 
 async def test_streaming_disconnect_frees_blocks_within_one_step() -> None:
@@ -57,10 +71,9 @@ async def test_non_streaming_disconnect_aborts_too() -> None:
     async with running_emulator(model=MODEL, speed=1) as emu:
         reader, writer = await open_request(emu.port, chat(words(300), max_tokens=5000,
                                                            ignore_eos=True))  # fmt: skip
-        deadline = time.monotonic() + 10
-        while not any(r.num_output for r in emu.engine.requests.values()):
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.005)
+        await wait_until_async(
+            lambda: any(r.num_output for r in emu.engine.requests.values()), 10, 0.005
+        )
         assert await hang_up_and_measure(emu, writer) <= 1
         assert emu.engine.stats.request_success["abort"] == 1
 
@@ -70,13 +83,8 @@ async def test_disconnect_while_waiting_in_queue() -> None:
         _, busy = await open_request(emu.port, chat("hog", max_tokens=5000, ignore_eos=True,
                                                     stream=True))  # fmt: skip
         _, queued = await open_request(emu.port, chat("waiting", max_tokens=10, stream=True))
-        deadline = time.monotonic() + 10
-        while emu.engine.num_waiting < 1:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.005)
+        await wait_until_async(lambda: emu.engine.num_waiting >= 1, 10, 0.005, "one queued")
         queued.close()
-        while emu.engine.num_waiting:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.005)
+        await wait_until_async(lambda: not emu.engine.num_waiting, 10, 0.005, "queue empty")
         assert emu.engine.stats.request_success["abort"] == 1
         busy.close()

@@ -67,6 +67,11 @@ async def test_metrics_parse_with_vllm_names_and_labels(
     assert value(samples, "vllm:inter_token_latency_seconds_count") == 4
     success = {labels["finished_reason"]: v for labels, v in samples["vllm:request_success_total"]}
     assert success["length"] == 1 and success["abort"] == 0
+    # The clock-lag counters a benchmark reads to tell whether the box kept pace.
+    resyncs = value(samples, "emulator_clock_resyncs_total")
+    assert resyncs == emu.app.driver.clock_resyncs
+    lag = value(samples, "emulator_clock_lag_seconds_total")
+    assert lag == emu.app.driver.clock_lag_model_seconds and (lag > 0) == (resyncs > 0)
 
 
 async def test_kv_usage_follows_vllms_formula() -> None:

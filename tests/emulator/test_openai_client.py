@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from emulator.testing import EmulatorHandle, running_emulator
 
@@ -14,7 +15,9 @@ from .conftest import MODEL, words
 
 @pytest.fixture
 async def oai() -> AsyncIterator[tuple[openai.AsyncOpenAI, EmulatorHandle]]:
-    async with running_emulator(model=MODEL, speed=20, max_model_len=4096) as emu:
+    async with running_emulator(
+        model=MODEL, speed=20, max_model_len=4096, enable_prompt_tokens_details=True
+    ) as emu:
         client = openai.AsyncOpenAI(base_url=emu.base_url + "/v1", api_key="unused",
                                     max_retries=0, timeout=30)  # fmt: skip
         async with client:
@@ -23,10 +26,10 @@ async def oai() -> AsyncIterator[tuple[openai.AsyncOpenAI, EmulatorHandle]]:
 
 async def test_streaming_with_usage(oai: tuple[openai.AsyncOpenAI, EmulatorHandle]) -> None:
     client, _ = oai
-    messages = [{"role": "user", "content": words(300)}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": words(300)}]
     stream = await client.chat.completions.create(
         model=MODEL,
-        messages=messages,  # type: ignore[arg-type]
+        messages=messages,
         max_tokens=12,
         stream=True,
         stream_options={"include_usage": True},
@@ -45,7 +48,7 @@ async def test_streaming_with_usage(oai: tuple[openai.AsyncOpenAI, EmulatorHandl
         model=MODEL,
         messages=messages,
         max_tokens=1,
-        extra_body={"cache_salt": "t1"},  # type: ignore[arg-type]
+        extra_body={"cache_salt": "t1"},
     )
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens == 304

@@ -1,17 +1,15 @@
 """Gateway test fixtures: real Redis, real emulated replicas, real gateway processes, real Kafka.
 
-The read model is seeded by writing ``gateway.schema`` records straight into Redis (as the
-control plane does, without Django). Each test that needs a tenant makes its own, so the
-module-scoped gateway and replica can be shared and the usage events of one test are told
-apart by tenant id.
+The read model is seeded by writing ``contracts.schema`` records straight into Redis with
+``contracts.readmodel_writer`` (as the control plane does, without Django). Each test that
+needs a tenant makes its own, so the module-scoped gateway and replica can be shared and the
+usage events of one test are told apart by tenant id.
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
-import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,10 +21,11 @@ import orjson
 import pytest
 import redis
 
+from bench import prom_parse
+from contracts import schema
+from contracts.readmodel_writer import ReadModelWriter
 from emulator.testing import SpawnedEmulator, spawn_emulator
-from gateway import schema
-from gateway.config import DEV_KEY_PEPPER
-from tests.support import launch_gateway, wait_until
+from tests.support import LaunchedGateway, launch_gateway, wait_until
 
 FAMILY = "llama-8b"
 VERSION = "llama-8b-2026-05"
@@ -55,13 +54,14 @@ class ReadModelSeeder:
     client: redis.Redis
     versions: dict[str, schema.ModelVersionRecord] = field(default_factory=dict)
     families: dict[str, str] = field(default_factory=dict)
+    writer: ReadModelWriter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.writer = ReadModelWriter(self.client)
 
     def _announce(self, kind: schema.ChangeKind, ident: str) -> None:
-        version = int(self.client.incr(schema.VERSION_KEY))
-        self.client.publish(
-            schema.CHANGES_CHANNEL,
-            schema.dumps(schema.Change(kind=kind, ident=ident, version=version)),
-        )
+        self.writer.mark_loaded()
+        self.writer.announce(kind, ident)
 
     def set_replicas(
         self,
@@ -70,7 +70,9 @@ class ReadModelSeeder:
         version: str = VERSION,
         family: str = FAMILY,
         context_length: int = 131_072,
+        **capabilities: Any,
     ) -> None:
+        """``capabilities``: the version's ``supports_tools``, ``max_n`` … (default off)."""
         self.versions[version] = schema.ModelVersionRecord(
             version=version,
             family=family,
@@ -82,10 +84,11 @@ class ReadModelSeeder:
                 schema.ReplicaRecord(replica_id=rid, base_url=url, pool="shared")
                 for rid, url in replicas
             ),
+            **capabilities,
         )
         self.families[family] = version
         catalog = schema.Catalog(families=dict(self.families), versions=dict(self.versions))
-        self.client.set(schema.CATALOG_KEY, schema.dumps(catalog))
+        self.writer.put_catalog(catalog)
         self._announce("catalog", "")
 
     def tenant(
@@ -102,7 +105,6 @@ class ReadModelSeeder:
     ) -> Tenant:
         tenant_id = "t-" + secrets.token_hex(6)
         secret = schema.API_KEY_PREFIX + secrets.token_urlsafe(32)
-        key_hash = schema.hash_api_key(secret, DEV_KEY_PEPPER.encode())
         key_id = "k-" + secrets.token_hex(6)
         limit = schema.LimitRecord(
             rpm=rpm,
@@ -120,13 +122,11 @@ class ReadModelSeeder:
             suspended=suspended,
             limits={f: limit for f in families},
         )
-        self.client.set(schema.tenant_redis_key(tenant_id), schema.dumps(record))
-        self.client.set(
-            schema.key_redis_key(key_hash),
-            schema.dumps(
-                schema.KeyRecord(
-                    key_id=key_id, tenant_id=tenant_id, scopes=scopes, expires_at=expires_at
-                )
+        self.writer.put_tenant(record)
+        key_hash = self.writer.put_key(
+            secret,
+            schema.KeyRecord(
+                key_id=key_id, tenant_id=tenant_id, scopes=scopes, expires_at=expires_at
             ),
         )
         self._announce("tenant", tenant_id)
@@ -135,7 +135,7 @@ class ReadModelSeeder:
 
     def revoke(self, tenant: Tenant) -> None:
         """What the control plane does on revocation: delete, bump the version, publish."""
-        self.client.delete(schema.key_redis_key(tenant.key_hash))
+        self.writer.delete_key(tenant.key_hash)
         self._announce("key", tenant.key_hash)
 
 
@@ -148,8 +148,10 @@ def seeder(rdb: redis.Redis) -> ReadModelSeeder:
 
 
 @pytest.fixture(scope="module")
-def replica() -> Iterator[SpawnedEmulator]:
-    with spawn_emulator(PROFILE, VERSION, SPEED) as emu:
+def replica(request: pytest.FixtureRequest) -> Iterator[SpawnedEmulator]:
+    """The module's replica; a module's ``REPLICA_OPTIONS`` add emulator flags (tool calling)."""
+    options = getattr(request.module, "REPLICA_OPTIONS", {})
+    with spawn_emulator(PROFILE, VERSION, SPEED, **options) as emu:
         yield emu
 
 
@@ -170,38 +172,14 @@ def replica_metric(emu: SpawnedEmulator, name: str) -> float:
 def metric_sum(base_url: str, name: str) -> float:
     """The sum of one metric's samples on ``base_url``'s ``/metrics`` (labels ignored)."""
     text = httpx.get(base_url + "/metrics", timeout=5).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return prom_parse.metric_sum(text, name) or 0.0
 
 
 # -- gateway processes ----------------------------------------------------------------------
 
 
-@dataclass
-class GatewayProcess:
-    process: subprocess.Popen[bytes]
-    port: int
-    spool_dir: Path
-    log_path: Path
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def terminate(self, timeout: float = 30.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait(timeout=5)
+# A gateway process of these tests (``launch_gateway``'s handle).
+GatewayProcess = LaunchedGateway
 
 
 def start_gateway(
@@ -226,12 +204,7 @@ def start_gateway(
         spool_dir=spool_dir,
         ready_timeout=ready_timeout,
     )
-    return GatewayProcess(
-        process=launched.process,
-        port=launched.port,
-        spool_dir=launched.spool_dir,
-        log_path=launched.log_path,
-    )
+    return launched
 
 
 @pytest.fixture
@@ -251,13 +224,15 @@ def gateways(tmp_path: Path, redis_url: str) -> Iterator[Callable[..., GatewayPr
 
 @pytest.fixture(scope="module")
 def gateway(
+    request: pytest.FixtureRequest,
     tmp_path_factory: pytest.TempPathFactory,
     redis_url: str,
     kafka_bootstrap: str,
     seeder: ReadModelSeeder,
     replica: SpawnedEmulator,
 ) -> Iterator[GatewayProcess]:
-    seeder.set_replicas([("r1", replica.base_url)])
+    """The module's gateway; a module's ``CAPABILITIES`` go on the version's record."""
+    seeder.set_replicas([("r1", replica.base_url)], **getattr(request.module, "CAPABILITIES", {}))
     gw = start_gateway(tmp_path_factory.mktemp("gw"), redis_url, kafka_bootstrap)
     yield gw
     gw.terminate()
@@ -302,13 +277,13 @@ class UsageLog:
 
     def events(self, tenant_id: str, count: int, timeout: float = 20.0) -> list[dict[str, Any]]:
         """At least ``count`` events of the tenant (waiting up to ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        while len(self.by_tenant.get(tenant_id, [])) < count:
-            if time.monotonic() > deadline:
-                got = len(self.by_tenant.get(tenant_id, []))
-                raise AssertionError(f"{got}/{count} usage events for {tenant_id}")
-            self.poll()
-        return self.by_tenant[tenant_id]
+
+        def enough() -> list[dict[str, Any]] | None:
+            self.poll()  # waits up to 200 ms for records: no sleep between polls
+            got = self.by_tenant.get(tenant_id, [])
+            return got if len(got) >= count else None
+
+        return wait_until(enough, timeout, 0, f"{count} usage events for {tenant_id}")
 
     def settle(self, seconds: float = 1.0) -> None:
         """Keep reading for a while (to see that nothing more arrives)."""

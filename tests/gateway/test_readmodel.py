@@ -5,45 +5,35 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 
-from gateway import schema
+from contracts import schema
 from gateway.config import GatewayConfig
+from gateway.identity.readmodel import ReadModelCache, _Cache
 from gateway.metrics import GatewayMetrics
-from gateway.readmodel import ReadModel, _Cache
 from tests.gateway.conftest import ReadModelSeeder
+from tests.support import wait_until_async
 
 
 @pytest.fixture
-async def readmodel(redis_url: str, rdb: redis.Redis) -> AsyncIterator[tuple[ReadModel, str]]:
+async def readmodel(redis_url: str, rdb: redis.Redis) -> AsyncIterator[tuple[ReadModelCache, str]]:
     name = "gw-test-" + secrets.token_hex(4)
     client = aioredis.Redis.from_url(redis_url, client_name=name, socket_timeout=2)
-    model = ReadModel(client, GatewayConfig(redis_url=redis_url), GatewayMetrics())
+    model = ReadModelCache(client, GatewayConfig(redis_url=redis_url), GatewayMetrics())
     await model.start()
-    deadline = time.monotonic() + 5
-    while not model.subscribed:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: model.subscribed, 5, 0.01, "the read model subscribed")
     yield model, name
     await model.stop()
     await client.aclose()
 
 
-async def _until(predicate: object, within: float) -> float:
-    start = time.monotonic()
-    while not await predicate():  # type: ignore[operator]
-        assert time.monotonic() - start < within, f"not within {within}s"
-        await asyncio.sleep(0.005)
-    return time.monotonic() - start
-
-
 async def test_revoked_key_refused_within_one_second(
-    readmodel: tuple[ReadModel, str], seeder: ReadModelSeeder
+    readmodel: tuple[ReadModelCache, str], seeder: ReadModelSeeder
 ) -> None:
     model, _ = readmodel
     tenant = seeder.tenant()
@@ -56,32 +46,30 @@ async def test_revoked_key_refused_within_one_second(
     assert await model.key(tenant.key_hash) == key
     # ...the control plane's announcement drops it at once.
     seeder.revoke(tenant)
-    elapsed = await _until(lambda: _is_none(model.key(tenant.key_hash)), 1.0)
-    assert elapsed < 1.0
+    started = time.monotonic()
+    await wait_until_async(lambda: _is_none(model.key(tenant.key_hash)), 1.0, 0.005)
+    assert time.monotonic() - started < 1.0
 
 
-async def _caught_up(model: ReadModel, rdb: redis.Redis) -> None:
+async def _caught_up(model: ReadModelCache, rdb: redis.Redis) -> None:
     """Wait until the announcements made so far have reached the model."""
     target = int(rdb.get(schema.VERSION_KEY) or 0)
 
-    async def seen() -> bool:
-        return model.version >= target
-
-    await _until(seen, 2.0)
+    await wait_until_async(lambda: model.version >= target, 2.0, 0.005, f"version {target}")
 
 
-async def _is_none(coro: object) -> bool:
-    return (await coro) is None  # type: ignore[misc]
+async def _is_none(pending: Awaitable[object]) -> bool:
+    return (await pending) is None
 
 
 async def test_catalog_change_reloads_and_tenant_change_drops(
-    readmodel: tuple[ReadModel, str], seeder: ReadModelSeeder
+    readmodel: tuple[ReadModelCache, str], seeder: ReadModelSeeder
 ) -> None:
     model, _ = readmodel
     seeder.set_replicas([("a", "http://127.0.0.1:9")], version="fam-x-1", family="fam-x")
-    await _until(lambda: _resolves(model, "fam-x", "fam-x-1"), 1.0)
+    await wait_until_async(lambda: _resolves(model, "fam-x", "fam-x-1"), 1.0, 0.005)
     seeder.set_replicas([("a", "http://127.0.0.1:9")], version="fam-x-2", family="fam-x")
-    await _until(lambda: _resolves(model, "fam-x", "fam-x-2"), 1.0)
+    await wait_until_async(lambda: _resolves(model, "fam-x", "fam-x-2"), 1.0, 0.005)
     # A pinned version keeps its weights while the alias moves on.
     assert model.catalog.resolve("fam-x-1") is not None
     assert model.catalog.resolve("fam-x-1").version == "fam-x-1"  # type: ignore[union-attr]
@@ -103,21 +91,21 @@ async def test_catalog_change_reloads_and_tenant_change_drops(
         ),
     )
     seeder._announce("tenant", tenant.tenant_id)
-    await _until(lambda: _suspended(model, tenant.tenant_id), 1.0)
+    await wait_until_async(lambda: _suspended(model, tenant.tenant_id), 1.0, 0.005)
 
 
-async def _resolves(model: ReadModel, alias: str, version: str) -> bool:
+async def _resolves(model: ReadModelCache, alias: str, version: str) -> bool:
     resolved = model.catalog.resolve(alias)
     return resolved is not None and resolved.version == version
 
 
-async def _suspended(model: ReadModel, tenant_id: str) -> bool:
+async def _suspended(model: ReadModelCache, tenant_id: str) -> bool:
     record = await model.tenant(tenant_id)
     return record is not None and record.suspended
 
 
 async def test_lost_subscription_drops_cache_on_resubscribe(
-    readmodel: tuple[ReadModel, str], seeder: ReadModelSeeder, rdb: redis.Redis
+    readmodel: tuple[ReadModelCache, str], seeder: ReadModelSeeder, rdb: redis.Redis
 ) -> None:
     model, name = readmodel
     tenant = seeder.tenant()
@@ -133,7 +121,7 @@ async def test_lost_subscription_drops_cache_on_resubscribe(
     # The revocation happens while nobody listens: no message reaches this gateway.
     rdb.delete(schema.key_redis_key(tenant.key_hash))
     rdb.incr(schema.VERSION_KEY)
-    await _until(lambda: _is_none(model.key(tenant.key_hash)), 2.5)
+    await wait_until_async(lambda: _is_none(model.key(tenant.key_hash)), 2.5, 0.005)
 
 
 def test_stale_read_is_not_stored_after_an_invalidation() -> None:
@@ -149,7 +137,7 @@ class CountingRedis(aioredis.Redis):
 
     gets = 0
 
-    async def get(self, name: Any) -> Any:  # type: ignore[override]
+    async def get(self, name: Any) -> Any:
         CountingRedis.gets += 1
         return await super().get(name)
 
@@ -159,7 +147,7 @@ async def test_concurrent_misses_share_one_read_unless_invalidated_meanwhile(
 ) -> None:
     tenant = seeder.tenant()
     client = CountingRedis.from_url(redis_url, socket_timeout=2)
-    model = ReadModel(client, GatewayConfig(redis_url=redis_url), GatewayMetrics())
+    model = ReadModelCache(client, GatewayConfig(redis_url=redis_url), GatewayMetrics())
     try:
         CountingRedis.gets = 0
         keys = await asyncio.gather(*(model.key(tenant.key_hash) for _ in range(200)))
@@ -170,7 +158,8 @@ async def test_concurrent_misses_share_one_read_unless_invalidated_meanwhile(
         model.invalidate_all()
         CountingRedis.gets = 0
         first = asyncio.ensure_future(model.key(tenant.key_hash))
-        await asyncio.sleep(0)  # the first read is in flight
+        # the first read is in flight
+        await wait_until_async(lambda: CountingRedis.gets == 1, 2, 0)
         model.invalidate_all()
         second = await model.key(tenant.key_hash)
         assert (await first) is not None and second is not None

@@ -1,5 +1,5 @@
-"""The gateway's HTTP/1.1 client to replicas (gateway/h1.py, gateway/upstream.py) against
-scripted replicas: real asyncio servers on loopback that misbehave on cue."""
+"""The gateway's HTTP/1.1 client to replicas (gateway/serving/h1.py, gateway/upstream/client.py)
+against scripted replicas: real asyncio servers on loopback that misbehave on cue."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway import schema
+from contracts import schema
 from gateway.config import GatewayConfig, PoolLimits, UpstreamTimeouts
-from gateway.h1 import HIGH_WATER
-from gateway.upstream import (
+from gateway.serving.h1 import HIGH_WATER
+from gateway.upstream.client import (
     ReplicaBroken,
     ReplicaStalled,
     ReplicaUnreachable,
     UpstreamClient,
     UpstreamStatusError,
 )
-from tests.support import free_port
+from tests.support import free_port, wait_until_async
 
 SSE_BODY = [b'data: {"a":1}\n\n', b'data: {"b":2}\n\n', b"data: [DONE]\n\n"]
 Handler = Callable[["Exchange"], Awaitable[bool]]  # returns False to close the connection
@@ -93,11 +93,16 @@ class ScriptedReplica:
             writer.close()
 
 
-def client_config(read: float = 0.3, **pool: float) -> GatewayConfig:
+def waiting_for_a_slot(client: UpstreamClient) -> int:
+    """Callers queued for a connection slot (the pool's own queue: nothing outside shows it)."""
+    return len(client._pool._slot_waiters) if client._pool is not None else 0
+
+
+def client_config(read: float = 0.3, pool: PoolLimits | None = None) -> GatewayConfig:
     return dataclasses.replace(
         GatewayConfig(),
         upstream=UpstreamTimeouts(connect=1.0, read=read, write=1.0, pool=0.3),
-        pool=dataclasses.replace(PoolLimits(), **pool),
+        pool=pool or PoolLimits(),
     )
 
 
@@ -236,9 +241,16 @@ async def test_a_reader_that_stops_reading_stops_the_replica_too() -> None:
 
     async with ScriptedReplica(flood) as replica, started() as client:
         response = await client.open(replica.record, b"{}", "req-1")
-        await asyncio.sleep(0.5)  # nobody reads
+        # Nobody reads: wait until the replica's writes stop (no progress over 0.1 s)...
+        seen = [-1]
+
+        def stopped() -> bool:
+            progressed, seen[0] = written != seen[0], written
+            return not progressed
+
+        await wait_until_async(stopped, 5, 0.1, "the replica's writes to stop")
         stuck_at = written
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # ...and stay stopped (the check is that nothing happens)
         assert written == stuck_at < 16 * 1024 * 1024  # the replica is held back
         buffered = len(await response.read())
         # Bounded: the buffer may pass the high-water mark by at most one socket read.
@@ -248,10 +260,8 @@ async def test_a_reader_that_stops_reading_stops_the_replica_too() -> None:
             assert await response.read()
         assert written > stuck_at
         response.close()
-        for _ in range(100):  # closed mid-body: the replica sees the client leave
-            if replica.disconnects:
-                break
-            await asyncio.sleep(0.01)
+        # closed mid-body: the replica sees the client leave
+        await wait_until_async(lambda: replica.disconnects, 1, 0.01, "the replica to see it")
         assert replica.disconnects == 1
 
 
@@ -265,15 +275,15 @@ async def test_the_connection_cap_waits_for_the_pool_timeout_then_refuses() -> N
 
     async with (
         ScriptedReplica(held) as replica,
-        started(client_config(read=5.0, max_connections=1)) as client,
+        started(client_config(read=5.0, pool=PoolLimits(max_connections=1))) as client,
     ):
         first = asyncio.ensure_future(read_all(client, replica))
-        await asyncio.sleep(0.05)
+        await wait_until_async(lambda: replica.requests, 2, 0.005, "the first request held")
         with pytest.raises(ReplicaUnreachable) as info:
             await client.open(replica.record, b"{}", "req-2")
         assert not info.value.refused
         leaver = asyncio.ensure_future(client.open(replica.record, b"{}", "req-3"))
-        await asyncio.sleep(0.05)
+        await wait_until_async(lambda: waiting_for_a_slot(client), 2, 0.005, "a slot waiter")
         leaver.cancel()  # a caller that leaves while waiting for a slot takes none with it
         with contextlib.suppress(asyncio.CancelledError):
             await leaver
@@ -293,9 +303,9 @@ async def test_a_discarded_dispatch_closes_its_connection() -> None:
 
     async with ScriptedReplica(slow) as replica, started() as client:
         dispatch = client.send(replica.record, b"{}", "req-1")
-        await asyncio.sleep(0.02)
+        await wait_until_async(lambda: replica.requests, 2, 0.005, "the request sent")
         dispatch.discard()
         await asyncio.wait_for(answered.wait(), 2)
-        await asyncio.sleep(0.05)
+        await wait_until_async(lambda: replica.disconnects, 2, 0.005, "the connection closed")
         assert replica.disconnects == 1 and len(replica.requests) == 1
         assert client.open_connections == 0

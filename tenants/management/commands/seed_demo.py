@@ -1,5 +1,7 @@
 """Seed demo data: three plans, the 70B and 8B models, one tenant per plan with an owner and
-a demo API key, and an operator account. Idempotent; see tenants/demo.py for the numbers.
+a demo API key, an operator and a finance account for the console, and a few weeks of hourly
+usage per demo tenant (with its invoices) so the console's charts and invoices are not empty.
+Idempotent; see tenants/demo.py for the numbers.
 
 API-key secrets cannot be recovered, so a key is minted only when the keys file lacks a
 usable one for that tenant; the file (mode 0600) is the only place the secrets live.
@@ -15,20 +17,22 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 from rest_framework.authtoken.models import Token
 
 from catalog import services as catalog_services
 from catalog.models import ModelFamily, ModelVersion, Replica
-from gateway.schema import SCOPES, hash_api_key
+from contracts.schema import SCOPES, hash_api_key
 from tenants import services
-from tenants.demo import MODELS, PLANS, plan_limits
+from tenants.demo import MODELS, PLANS, demo_usage_rows, plan_limits
 from tenants.models import ApiKey, Membership, Plan, Role, Tenant
 
 DEFAULT_KEYS_OUT = Path(settings.BASE_DIR) / "var" / "demo-keys.json"
 DEFAULT_PASSWORD = "fairway-demo"  # noqa: S105 - documented demo credential, dev only
 OPERATOR = "operator"
+FINANCE = "finance"
 
 
 def parse_replicas(specs: list[str], *, pool: str = "shared") -> dict[str, list[tuple[str, str]]]:
@@ -65,7 +69,7 @@ class Command(BaseCommand):
             action="append",
             default=[],
             metavar="VERSION=URL[,URL...]",
-            help="Replicas only reserved-class (enterprise) traffic may enter (design R2).",
+            help="Replicas only reserved-class (enterprise) traffic may enter (docs/design.md R2).",
         )
         parser.add_argument(
             "--keys-out",
@@ -75,6 +79,14 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--password", default=DEFAULT_PASSWORD, help="Password for newly created demo users."
+        )
+        parser.add_argument(
+            "--usage-days",
+            type=int,
+            default=0,
+            help="Days of made-up hourly usage to write for each demo tenant that has none, "
+            "with its invoices (default 0: none, so real traffic's counts stay exact; "
+            "`make up` asks for 40, which reaches into last month).",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -101,6 +113,20 @@ class Command(BaseCommand):
             secrets_file[OPERATOR] = self._operator(
                 secrets_file.get(OPERATOR, {}), options["password"]
             )
+            secrets_file[FINANCE] = self._finance(
+                secrets_file.get(FINANCE, {}), options["password"]
+            )
+            written = self._usage(options["usage_days"]) if options["usage_days"] > 0 else 0
+        if written:
+            # Invoices for the demo history now rather than at the first periodic run: last
+            # month finalized, this month's drafts (billing's own periodic job).
+            from billing.services import invoice_cycle
+
+            counts = invoice_cycle(grace_s=settings.BILLING_FINALIZE_GRACE_S)
+            self.stdout.write(
+                f"  wrote {written} hourly demo usage rows; invoices: {counts['drafted']} "
+                f"drafted, {counts['finalized']} finalized"
+            )
         keys_out.parent.mkdir(parents=True, exist_ok=True)
         tmp = keys_out.with_suffix(".tmp")
         tmp.write_text(json.dumps(secrets_file, indent=2) + "\n")
@@ -114,30 +140,19 @@ class Command(BaseCommand):
                     f"{info['owner_password']}  key {info['key'][:11]}…"
                 )
         self.stdout.write(
-            f"  operator (Django admin, staff API): {OPERATOR} / "
+            f"  operator (console fleet and tenants, Django admin, operator API): {OPERATOR} / "
             f"{secrets_file[OPERATOR]['password']}"
         )
+        self.stdout.write(
+            f"  finance (console invoices and reconciliation): {FINANCE} / "
+            f"{secrets_file[FINANCE]['password']}"
+        )
+        self.stdout.write("  console: http://127.0.0.1:8000 (sign in as a demo owner above)")
 
     # -- pieces -------------------------------------------------------------------------
     def _models(self, replicas: dict[str, list[tuple[str, str]]]) -> None:
         for model in MODELS:
-            family = catalog_services.family_upsert(
-                name=model.family, display_name=model.display_name
-            )
-            version = catalog_services.version_upsert(
-                family=family,
-                name=model.version,
-                context_length=model.context_length,
-                kv_bytes_per_token=model.kv_bytes_per_token,
-                tpot_target_ms=model.tpot_target_ms,
-                kv_capacity_tokens=model.kv_capacity_tokens,
-                price_prompt_per_mtok=model.price_prompt_per_mtok,
-                price_cached_prompt_per_mtok=model.price_cached_prompt_per_mtok,
-                price_completion_per_mtok=model.price_completion_per_mtok,
-                is_active=True,
-            )
-            if not version.is_current:
-                catalog_services.version_make_current(version=version)
+            version = model.upsert(make_current=True)
             if model.version in replicas:
                 self._replicas(version, replicas[model.version])
 
@@ -156,8 +171,13 @@ class Command(BaseCommand):
         plans = []
         for demo in PLANS:
             plan = Plan.objects.filter(name=demo.name).first() or services.plan_create(
-                name=demo.name, admission_class=demo.admission_class, display_name=demo.display_name
+                name=demo.name,
+                admission_class=demo.admission_class,
+                display_name=demo.display_name,
+                base_fee=demo.base_fee,
             )
+            if plan.base_fee != demo.base_fee:
+                services.plan_set_base_fee(plan=plan, base_fee=demo.base_fee)
             for model in MODELS:
                 family = ModelFamily.objects.get(name=model.family)
                 services.plan_limit_set(plan=plan, family=family, **plan_limits(demo, model))
@@ -198,12 +218,55 @@ class Command(BaseCommand):
 
     def _operator(self, previous: dict[str, Any], password: str) -> dict[str, Any]:
         user, new_password = self._user(OPERATOR, password, is_staff=True, is_superuser=True)
+        self._grant(user, "tenants", "operate")
         token, _ = Token.objects.get_or_create(user=user)
         return {
             "username": user.username,
             "password": new_password or previous.get("password", "(unchanged)"),
             "token": token.key,
         }
+
+    def _finance(self, previous: dict[str, Any], password: str) -> dict[str, Any]:
+        user, new_password = self._user(FINANCE, password, is_staff=True)
+        self._grant(user, "billing", "view_reconciliation")
+        self._grant(user, "billing", "manage_invoices")
+        return {
+            "username": user.username,
+            "password": new_password or previous.get("password", "(unchanged)"),
+        }
+
+    @staticmethod
+    def _grant(user: Any, app_label: str, codename: str) -> None:
+        user.user_permissions.add(
+            Permission.objects.get(content_type__app_label=app_label, codename=codename)
+        )
+
+    def _usage(self, days: int) -> int:
+        """Hourly rows for every demo tenant without any usage yet, attributed to its demo
+        key; written once (the rollup only ever grows in real life, so re-seeding must not
+        rewrite history)."""
+        from metering.models import Usage
+
+        written = 0
+        versions = {
+            v.name: v for v in ModelVersion.objects.filter(name__in=[m.version for m in MODELS])
+        }
+        for plan in PLANS:
+            tenant = Tenant.objects.filter(name=f"demo-{plan.name}").first()
+            if tenant is None or Usage.objects.filter(tenant=tenant).exists():
+                continue
+            key = ApiKey.objects.filter(tenant=tenant).order_by("created_at").first()
+            if key is None:
+                continue
+            rows = [
+                Usage(
+                    tenant=tenant, api_key_id=key.id, model_version=versions[r.version], **r.counts
+                )
+                for r in demo_usage_rows(plan=plan.name, days=days, seed=plan.name)
+            ]
+            Usage.objects.bulk_create(rows)
+            written += len(rows)
+        return written
 
     @staticmethod
     def _usable(secret: str, tenant: Tenant) -> bool:

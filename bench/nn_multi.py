@@ -1,0 +1,267 @@
+"""Noisy neighbour with several flooding tenants at once: Fairway with long-context isolation
+(arm ``c``) against Fairway without it (``c0``), each against the quiet baseline of the same
+seed, for each number of flooding tenants.
+
+Run by ``python -m bench.noisy_neighbour --noisy-tenants 1,2,4 --seeds 7,8,9``; writes
+bench/results/noisy_neighbour_multi.md. What is checked, per run (arm c):
+
+- every non-noisy tenant's TTFT p95 <= 1.10x and TPOT p95 <= 1.05x its quiet p95;
+- both SLOs held (TTFT p95 < 1 s, TPOT p95 < 50 ms) by every non-noisy tenant;
+- the shared pool's KV occupancy never above the standard ceiling (0.85);
+- the flooding tenants' served prompt tokens (their completed requests' prompts: a long
+  context's cost is its prefill), largest <= 2x smallest;
+- enterprise attainment over all its requests and over those whose prompt could meet the
+  TTFT SLO on this hardware model (the prompt's lone prefill under 1 s), the second >= 99.9 %.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench import cluster
+from bench.noisy_neighbour import (
+    ARM_TITLES,
+    TTFT_TARGET_S,
+    ArmResult,
+    NNConfig,
+    coarse_profile,
+    run_arm,
+    summarise,
+    tenants,
+)
+from bench.stats import TPOT_SLO_S, TTFT_SLO_S, Outcome
+from bench.workload import NOISY_PROMPT_TOKENS, build_workload
+from emulator.profiles import LLAMA_70B_TP4_H100
+
+STANDARD_CEILING = 0.85
+
+
+def _shared_peak(res: ArmResult, shared: int) -> float:
+    peaks = [
+        max(res.traces[f"r{i}"].occupancy)
+        for i in range(shared)
+        if f"r{i}" in res.traces and res.traces[f"r{i}"].occupancy
+    ]
+    return max(peaks) if peaks else math.nan
+
+
+def _feasible(o: Outcome) -> bool:
+    """Could this prompt meet the TTFT SLO at all: its lone prefill on the (real) 70B
+    profile under the TTFT target."""
+    return LLAMA_70B_TP4_H100.prefill_seconds(o.prompt_tokens) < TTFT_TARGET_S
+
+
+def _ratio(x: float, quiet: float) -> float:
+    return x / quiet if quiet and math.isfinite(quiet) and math.isfinite(x) else math.nan
+
+
+def _lone_128k_s() -> float:
+    return LLAMA_70B_TP4_H100.prefill_seconds(NOISY_PROMPT_TOKENS)
+
+
+def long_prompts_servable(cfg: NNConfig, window_s: float) -> float:
+    """How many flooding prompts the fleet can prefill in ``window_s`` model seconds at
+    most: one at a time on each replica designated for long contexts (the gateway's
+    default share of the shared replicas), each taking its lone prefill time on the real
+    profile."""
+    from gateway.admission.config import AdmissionConfig
+    from gateway.admission.placement import long_context_replicas
+
+    designated = long_context_replicas(cfg.shared_replicas, AdmissionConfig())
+    return designated * window_s / _lone_128k_s()
+
+
+def _attainment(outs: Sequence[Outcome]) -> float:
+    return sum(o.met_slo() for o in outs) / len(outs) if outs else math.nan
+
+
+def _fmt(x: float, spec: str = ".2f") -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def evaluate(
+    res: ArmResult, quiet: ArmResult, cfg: NNConfig, specs: Sequence[object]
+) -> tuple[list[str], dict[str, bool]]:
+    """Table lines and the target verdicts of one arm against its quiet baseline."""
+    by_tenant, _ = summarise(res, specs)  # type: ignore[arg-type]
+    quiet_by_tenant, _ = summarise(quiet, specs)  # type: ignore[arg-type]
+    noisy_ids = [t.tenant_id for t in specs if t.noisy]  # type: ignore[attr-defined]
+    lines: list[str] = []
+    worst_ttft = worst_tpot = 0.0
+    slo_ok = True
+    for tid, g in by_tenant.items():
+        if tid in noisy_ids:
+            continue
+        q = quiet_by_tenant.get(tid)
+        r_ttft = _ratio(g.ttft.p95, q.ttft.p95 if q else math.nan)
+        r_tpot = _ratio(g.tpot.p95, q.tpot.p95 if q else math.nan)
+        # a ratio that cannot be formed (no quiet baseline, nothing served) fails the check
+        worst_ttft = max(worst_ttft, r_ttft if math.isfinite(r_ttft) else math.inf)
+        worst_tpot = max(worst_tpot, r_tpot if math.isfinite(r_tpot) else math.inf)
+        held = g.ttft.p95 < TTFT_SLO_S and g.tpot.p95 < TPOT_SLO_S
+        slo_ok = slo_ok and held
+        lines.append(
+            f"| {tid} | {g.ttft.p95 * 1000:.0f} ({r_ttft:.2f}x) | {g.tpot.p95 * 1000:.1f} "
+            f"({r_tpot:.2f}x) | {g.attainment:.1%} | {'yes' if held else 'no'} |"
+        )
+    # Goodput of a flooding tenant: the prompt tokens of its completed requests (a long
+    # context's cost is its prefill), with the completed requests and output tokens beside.
+    done = {
+        tid: [o for o in res.outcomes if o.tenant_id == tid and o.completed] for tid in noisy_ids
+    }
+    served = {tid: sum(o.prompt_tokens for o in outs) for tid, outs in done.items()}
+    out_tokens = {tid: sum(o.completion_tokens for o in outs) for tid, outs in done.items()}
+    refused = {
+        tid: sum(1 for o in res.outcomes if o.tenant_id == tid and o.status in (429, 503))
+        for tid in noisy_ids
+    }
+    fair = min(served.values(), default=0) > 0 and max(served.values()) <= 2 * min(served.values())
+    slots = long_prompts_servable(cfg, res.measured_s)
+    ent = [o for o in res.outcomes if o.admission_class == "reserved"]
+    ent_feasible = [o for o in ent if _feasible(o)]
+    peak = _shared_peak(res, cfg.shared_replicas)
+    lag = sum(t.clock_lag_s for t in res.traces.values())
+    lines.append("")
+    lines.append(
+        "Flooding tenants (served = completed requests / their prompt tokens / output tokens; "
+        "refused = 429 + 503): "
+        + ", ".join(
+            f"`{tid}` {len(done[tid])} / {served[tid]:,} / {out_tokens[tid]:,} tok, "
+            f"{refused[tid]} refused"
+            for tid in noisy_ids
+        )
+        + f". The long-context replicas can prefill at most ~{slots:.1f} such prompts in the "
+        f"measured window (one at a time per designated replica, {_lone_128k_s():.1f} s "
+        "each on the profile), so the fairness check compares counts of about "
+        f"{slots / max(1, len(noisy_ids)):.1f} per flooder."
+    )
+    lines.append(
+        f"Enterprise attainment {_attainment(ent):.2%} over {len(ent)} requests, "
+        f"{_attainment(ent_feasible):.2%} over the {len(ent_feasible)} whose prompt's lone "
+        f"prefill is under 1 s. Shared-pool peak KV occupancy {peak:.1%}. Replica clocks "
+        f"skipped {lag:.1f} model-s behind the wall clock; {res.wall_s:.0f} s wall, "
+        f"{res.cpu_cores:.2f} cores busy."
+    )
+    verdicts = {
+        "TTFT p95 <= 1.10x quiet": worst_ttft <= 1.10,
+        "TPOT p95 <= 1.05x quiet": worst_tpot <= 1.05,
+        "both SLOs held": slo_ok,
+        "shared occupancy <= 0.85": not (peak > STANDARD_CEILING),
+        "flooders' served prompt tokens within 2x": fair,
+        "enterprise (feasible) >= 99.9 %": _attainment(ent_feasible) >= 0.999,
+    }
+    lines.append(
+        f"Worst ratio: TTFT {worst_ttft:.2f}x, TPOT {worst_tpot:.2f}x. "
+        + " · ".join(f"{'✅' if ok else '❌'} {name}" for name, ok in verdicts.items())
+    )
+    return lines, verdicts
+
+
+def run_multi(
+    base: NNConfig,
+    counts: Sequence[int],
+    seeds: Sequence[int],
+    out: Path,
+    command: str,
+    *,
+    arms: Sequence[str] | None = None,
+    load_note: str = "",
+) -> Path:
+    arms = list(arms or ("c", "c0"))
+    arms = [a for a in arms if a != "quiet"]
+    # one file per set of arms, so a comparison run does not overwrite the main one
+    name = (
+        "noisy_neighbour_multi.md" if "c" in arms else f"noisy_neighbour_multi_{'_'.join(arms)}.md"
+    )
+    profile = coarse_profile(LLAMA_70B_TP4_H100, base.k, base.chunk_tokens)
+    workdir = cluster.workdir()
+    profile_file = cluster.write_profile_file([profile], workdir)
+    sections: list[str] = []
+    summary: list[str] = []
+    started = time.time()
+    try:
+        with cluster.bench_redis() as redis_url:
+            quiet_cache: dict[tuple[int, tuple[str, ...]], ArmResult] = {}
+            for seed in seeds:
+                for n in counts:
+                    cfg = dataclasses.replace(base, seed=seed, noisy_tenants=n)
+                    specs = tenants(cfg)
+                    wl = build_workload(specs, cfg.duration_s, cfg.seed)
+                    quiet_wl = wl.without_noisy()
+                    key = (seed, tuple(r.request_id for r in quiet_wl.requests))
+                    quiet = quiet_cache.get(key)
+                    if quiet is None:
+                        quiet = run_arm(
+                            "quiet", cfg, quiet_wl, profile, profile_file, redis_url, workdir
+                        )
+                        quiet_cache[key] = quiet
+                        print(f"[nn_multi] seed {seed} quiet: {quiet.wall_s:.0f} s", flush=True)
+                    for arm in arms:
+                        res = run_arm(arm, cfg, wl, profile, profile_file, redis_url, workdir)
+                        print(
+                            f"[nn_multi] seed {seed} noisy {n} arm {arm}: {res.wall_s:.0f} s",
+                            flush=True,
+                        )
+                        lines, verdicts = evaluate(res, quiet, cfg, specs)
+                        sections += [
+                            f"### {n} flooding tenant(s), seed {seed}: {ARM_TITLES[arm]}",
+                            "",
+                            "| tenant | TTFT p95 ms (× quiet) | TPOT p95 ms (× quiet) | "
+                            "attainment | SLOs held |",
+                            "| --- | --- | --- | --- | --- |",
+                            *lines,
+                            "",
+                        ]
+                        summary.append(
+                            f"| {n} | {seed} | {arm} | "
+                            + " | ".join("✅" if v else "❌" for v in verdicts.values())
+                            + " |"
+                        )
+                        verdict_names = list(verdicts)
+                        _write(out / name, command, base, counts, seeds, summary,
+                               verdict_names, sections, started, load_note)  # fmt: skip
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return out / name
+
+
+def _write(
+    path: Path,
+    command: str,
+    cfg: NNConfig,
+    counts: Sequence[int],
+    seeds: Sequence[int],
+    summary: list[str],
+    names: list[str],
+    sections: list[str],
+    started: float,
+    load_note: str = "",
+) -> None:
+    """Rewritten after every arm, so a run cut short still leaves what it measured."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = [
+        "# Noisy neighbour — several flooding tenants at once",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"{cfg.shared_replicas} shared + {cfg.reserved_replicas} reserved-pool emulated 70B "
+        f"replicas (realistic profile coarse-grained ×{cfg.k}), speed ×{cfg.speed:g}, "
+        f"{cfg.gateway_workers} gateway workers; each flooding tenant is a standard tenant "
+        f"sending 128k-token prompts at {cfg.noisy_rps} req/s inside its own plan limits. "
+        f"Counts {', '.join(map(str, counts))}; seeds {', '.join(map(str, seeds))}. "
+        f"Each run's arms against the quiet baseline (no flooding tenant) of the same seed. "
+        f"Started {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}.",
+        "",
+        *([load_note, ""] if load_note else []),
+        "| flooders | seed | arm | " + " | ".join(names) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in names) + " |",
+        *summary,
+        "",
+        *sections,
+    ]
+    path.write_text("\n".join(text) + "\n")

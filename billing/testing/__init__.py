@@ -1,0 +1,1 @@
+"""Test support that ships with the app: a Stripe fake of our own (see stripe_fake)."""

@@ -1,0 +1,326 @@
+"""The replica parts of the deployment files, generated from the catalog.
+
+``manage.py deploy_files`` writes them; a test checks the committed files equal what this
+module generates for the demo catalog (``tenants.demo.MODELS``), so a change of flags in
+``catalog.replica`` or of a version in the catalog shows up as a diff in review.
+
+- ``docker/compose.yaml``: between the ``BEGIN/END generated replicas`` markers, one
+  emulator service per replica (profile ``emulator``, the default through docker/.env) and
+  one vLLM service per replica (profile ``gpu``), both answering to the same network alias
+  ``replica-<version>-<n>``, so the catalog's replica URLs are the same for both; and the
+  ``setup`` service that migrates and seeds the catalog with those URLs.
+- ``deploy/k8s/base/replicas.yaml``: per version a StatefulSet of vLLM pods behind a
+  headless Service (the gateway routes to each replica by its own address, so each pod has
+  a stable DNS name: ``replica-<version>-<i>.replica-<version>``), and the catalog's
+  replica URLs in a ConfigMap that the seed Job reads.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from catalog.replica import REPLICA_PORT, ServingSpec, replica_argv
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_FILE = ROOT / "docker" / "compose.yaml"
+K8S_REPLICAS_FILE = ROOT / "deploy" / "k8s" / "base" / "replicas.yaml"
+BEGIN = "  # BEGIN generated replicas (manage.py deploy_files; do not edit by hand)\n"
+END = "  # END generated replicas\n"
+VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
+FAIRWAY_IMAGE = "${FAIRWAY_IMAGE:-fairway:dev}"
+REPLICAS_PER_VERSION = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    specs: tuple[ServingSpec, ...]
+    replicas_per_version: int = REPLICAS_PER_VERSION
+
+    def compose_hosts(self, spec: ServingSpec) -> list[str]:
+        return [f"replica-{spec.version}-{n}" for n in range(1, self.replicas_per_version + 1)]
+
+    def k8s_hosts(self, spec: ServingSpec) -> list[str]:
+        name = f"replica-{spec.version}"
+        return [f"{name}-{i}.{name}" for i in range(self.replicas_per_version)]
+
+
+def demo_fleet() -> Fleet:
+    from tenants.demo import MODELS
+
+    return Fleet(tuple(ServingSpec.of(m) for m in MODELS))
+
+
+def seed_args(fleet: Fleet, hosts: Any) -> list[str]:
+    args: list[str] = []
+    for spec in fleet.specs:
+        urls = ",".join(f"http://{h}:{REPLICA_PORT}" for h in hosts(spec))
+        args += ["--replicas", f"{spec.version}={urls}"]
+    return args
+
+
+def _dump(data: Any) -> str:
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=1000)
+
+
+# -- compose ------------------------------------------------------------------------------
+
+
+def compose_services(fleet: Fleet) -> dict[str, Any]:
+    services: dict[str, Any] = {
+        "setup": {
+            "image": FAIRWAY_IMAGE,
+            "environment": "*fairway-env",
+            "entrypoint": ["/usr/local/bin/entrypoint.sh", "run"],
+            "command": [
+                "sh",
+                "-c",
+                "python manage.py migrate --noinput"
+                " && python manage.py seed_demo "
+                + " ".join(seed_args(fleet, fleet.compose_hosts))
+                + " --keys-out /app/var/demo-keys.json"
+                " && python manage.py push_config",
+            ],
+            "depends_on": {
+                "postgres": {"condition": "service_healthy"},
+                "redis": {"condition": "service_healthy"},
+            },
+            "volumes": ["setup-var:/app/var"],
+            "restart": "no",
+        }
+    }
+    for spec in fleet.specs:
+        for host in fleet.compose_hosts(spec):
+            suffix = host.removeprefix("replica-")
+            services[f"emulator-{suffix}"] = {
+                "image": FAIRWAY_IMAGE,
+                "profiles": ["emulator"],
+                "entrypoint": ["/usr/local/bin/entrypoint.sh", "run"],
+                "command": replica_argv(spec, engine="emulator"),
+                "environment": {"FAIRWAY_ROLE": "emulator", "PORT": str(REPLICA_PORT)},
+                "networks": {"default": {"aliases": [host]}},
+                "restart": "unless-stopped",
+            }
+            argv = replica_argv(spec, engine="vllm")
+            services[f"vllm-{suffix}"] = {
+                "image": VLLM_IMAGE,
+                "profiles": ["gpu"],
+                "entrypoint": argv[:2],
+                "command": argv[2:],
+                "environment": {"HF_TOKEN": "${HF_TOKEN:-}"},
+                "volumes": ["hf-cache:/root/.cache/huggingface"],
+                "ipc": "host",
+                "networks": {"default": {"aliases": [host]}},
+                "healthcheck": {
+                    "test": [
+                        "CMD",
+                        "python3",
+                        "-c",
+                        "import urllib.request as u; "
+                        f"u.urlopen('http://127.0.0.1:{REPLICA_PORT}/health', timeout=4)",
+                    ],
+                    "interval": "15s",
+                    "timeout": "5s",
+                    "retries": 3,
+                    # Loading 140 GB of weights and capturing CUDA graphs takes minutes.
+                    "start_period": "900s",
+                },
+                "deploy": {
+                    "resources": {
+                        "reservations": {
+                            "devices": [
+                                {
+                                    "driver": "nvidia",
+                                    "count": spec.tensor_parallel_size,
+                                    "capabilities": ["gpu"],
+                                }
+                            ]
+                        }
+                    }
+                },
+                "restart": "unless-stopped",
+            }
+    return services
+
+
+def compose_block(fleet: Fleet) -> str:
+    text = _dump(compose_services(fleet))
+    # The shared environment is a YAML alias of the hand-written file's anchor.
+    text = text.replace("environment: '*fairway-env'", "environment: *fairway-env")
+    body = "".join(f"  {line}\n" if line else "\n" for line in text.splitlines())
+    return BEGIN + body + END
+
+
+def render_compose(current: str, fleet: Fleet) -> str:
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.DOTALL)
+    if not pattern.search(current):
+        raise ValueError("docker/compose.yaml has no generated-replicas markers")
+    return pattern.sub(lambda _: compose_block(fleet), current, count=1)
+
+
+# -- kubernetes ---------------------------------------------------------------------------
+
+
+def k8s_documents(fleet: Fleet) -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    urls = {" ".join(seed_args(fleet, fleet.k8s_hosts))}
+    docs.append(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "fairway-replicas"},
+            "data": {"REPLICA_ARGS": urls.pop()},
+        }
+    )
+    for spec in fleet.specs:
+        name = f"replica-{spec.version}"
+        labels = {"app.kubernetes.io/name": "replica", "fairway.dev/model-version": spec.version}
+        argv = replica_argv(spec, engine="vllm")
+        docs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": name, "labels": labels},
+                "spec": {
+                    "clusterIP": "None",  # headless: one DNS name per pod
+                    "publishNotReadyAddresses": False,
+                    "selector": labels,
+                    "ports": [{"name": "http", "port": REPLICA_PORT, "targetPort": "http"}],
+                },
+            }
+        )
+        gpus = str(spec.tensor_parallel_size)
+        docs.append(
+            {
+                "apiVersion": "apps/v1",
+                "kind": "StatefulSet",
+                "metadata": {"name": name, "labels": labels},
+                "spec": {
+                    "serviceName": name,
+                    "replicas": fleet.replicas_per_version,
+                    "podManagementPolicy": "Parallel",
+                    "selector": {"matchLabels": labels},
+                    "template": {
+                        "metadata": {
+                            "labels": labels,
+                            "annotations": {
+                                "prometheus.io/scrape": "true",
+                                "prometheus.io/port": str(REPLICA_PORT),
+                            },
+                        },
+                        "spec": {
+                            "terminationGracePeriodSeconds": 60,
+                            "nodeSelector": {"nvidia.com/gpu.present": "true"},
+                            "tolerations": [
+                                {
+                                    "key": "nvidia.com/gpu",
+                                    "operator": "Exists",
+                                    "effect": "NoSchedule",
+                                }
+                            ],
+                            "containers": [
+                                {
+                                    "name": "vllm",
+                                    "image": VLLM_IMAGE,
+                                    "command": argv[:2],
+                                    "args": argv[2:],
+                                    "ports": [{"name": "http", "containerPort": REPLICA_PORT}],
+                                    "env": [
+                                        {
+                                            "name": "HF_TOKEN",
+                                            "valueFrom": {
+                                                "secretKeyRef": {
+                                                    "name": "fairway-secrets",
+                                                    "key": "HF_TOKEN",
+                                                    "optional": True,
+                                                }
+                                            },
+                                        }
+                                    ],
+                                    "resources": {
+                                        "requests": {
+                                            "cpu": "8",
+                                            "memory": "64Gi",
+                                            "nvidia.com/gpu": gpus,
+                                        },
+                                        "limits": {"nvidia.com/gpu": gpus},
+                                    },
+                                    "startupProbe": {
+                                        "httpGet": {"path": "/health", "port": "http"},
+                                        "periodSeconds": 10,
+                                        "failureThreshold": 90,  # 15 min to load weights
+                                    },
+                                    "readinessProbe": {
+                                        "httpGet": {"path": "/health", "port": "http"},
+                                        "periodSeconds": 5,
+                                    },
+                                    "livenessProbe": {
+                                        "httpGet": {"path": "/health", "port": "http"},
+                                        "periodSeconds": 15,
+                                        "failureThreshold": 4,
+                                    },
+                                    "volumeMounts": [
+                                        {
+                                            "name": "hf-cache",
+                                            "mountPath": "/root/.cache/huggingface",
+                                        },
+                                        {"name": "shm", "mountPath": "/dev/shm"},  # noqa: S108 - vLLM's shared memory
+                                    ],
+                                }
+                            ],
+                            "volumes": [
+                                {
+                                    "name": "shm",
+                                    "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"},
+                                }
+                            ],
+                        },
+                    },
+                    "volumeClaimTemplates": [
+                        {
+                            "metadata": {"name": "hf-cache"},
+                            "spec": {
+                                "accessModes": ["ReadWriteOnce"],
+                                "resources": {"requests": {"storage": "300Gi"}},
+                            },
+                        }
+                    ],
+                },
+            }
+        )
+    return docs
+
+
+HEADER = (
+    "# Generated by `manage.py deploy_files` from the catalog (catalog/deployfiles.py);\n"
+    "# do not edit by hand.\n"
+)
+
+
+def render_k8s(fleet: Fleet) -> str:
+    return HEADER + "---\n".join(_dump(doc) for doc in k8s_documents(fleet))
+
+
+def write_all(fleet: Fleet, *, check: bool) -> list[Path]:
+    """Write (or with ``check``, compare) the generated files; returns those that differ."""
+    outputs = {
+        COMPOSE_FILE: render_compose(COMPOSE_FILE.read_text(), fleet),
+        K8S_REPLICAS_FILE: render_k8s(fleet),
+    }
+    stale: list[Path] = []
+    for path, text in outputs.items():
+        if not path.exists() or path.read_text() != text:
+            stale.append(path)
+            if not check:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+    return stale
+
+
+def fleet_from(specs: Sequence[ServingSpec], per_version: int) -> Fleet:
+    return Fleet(tuple(specs), per_version)

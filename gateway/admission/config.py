@@ -1,0 +1,221 @@
+"""Every knob of admission in one value object, read from ``GATEWAY_ADMISSION_*`` (the
+env/CLI mapping is in gateway/README.md), and the names the other admission modules share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal, get_args
+
+from contracts import formulas
+from contracts.schema import AdmissionClass
+
+# The class a single request is admitted under. A reserved tenant above its own floor is
+# routed as "standard": the floor is what it bought, the rest is shared like anyone's.
+EffectiveClass = AdmissionClass
+Strategy = Literal["p2c", "emptiest", "round_robin", "cache_aware"]
+# "concurrency": an API key's own cap on its requests in flight (per-key limits)
+Layer = Literal["requests", "tokens", "kv_seconds", "concurrency"]
+
+# Layers that can be switched off for comparisons (the noisy-neighbour benchmark's
+# "requests/min only" arm): the three quota layers, per-replica capacity, retry budget.
+LAYERS = ("requests", "tokens", "kv_seconds", "capacity", "retry_budget", "long_context")
+ENV_PREFIX = "GATEWAY_ADMISSION_"
+
+# vLLM's --scheduling-policy priority runs lower values first; the replica's scheduler
+# must agree with the gateway about who matters most when it has to preempt.
+VLLM_PRIORITY: dict[str, int] = {"reserved": 0, "standard": 1, "best_effort": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Every knob of admission in one value object (env/CLI mapping in gateway/README.md)."""
+
+    # docs/design.md §7 / R2: per-replica KV occupancy ceilings by class.
+    standard_max_occupancy: float = 0.85
+    best_effort_max_occupancy: float = 0.60
+    reserved_max_occupancy: float = formulas.RESERVED_MAX_OCCUPANCY
+    # docs/design.md §7: reserved floors are sold against this share of the reserved pool (a written
+    # capacity-planning decision, not a scheduler parameter).
+    reserved_oversubscription: float = formulas.RESERVED_OVERSUBSCRIPTION
+    # Residence time that converts GiB·s floors into GiB of KV when sizing the pool:
+    # the p95 output (1,200 tokens, docs/design.md §2) at the 40 ms TPOT target.
+    pool_sizing_residence_s: float = formulas.POOL_SIZING_RESIDENCE_S
+    # KV estimate: est_out = effective max_output, optionally capped (0 = no cap). The
+    # default charges the full max_output: pessimistic, so the KV layer never over-admits
+    # (docs/design.md §6 "charge max_tokens at admission"); the lease is released at the terminal
+    # event.
+    est_out_cap: int = 0
+    # docs/design.md R1.
+    tpot_window_s: float = 30.0
+    tpot_max_factor: float = 4.0
+    tpot_stale_after_s: float = 60.0
+    tpot_stale_factor: float = 2.0
+    # docs/design.md R4 leases.
+    lease_ttl_s: float = 15.0
+    lease_renew_s: float = 5.0
+    # docs/design.md R5 routing.
+    # P2C until cache-aware routing has its noisy-neighbour comparison and its per-request
+    # cost is settled (gateway/README.md, "Cache-aware routing"); cache_aware is opt-in.
+    strategy: Strategy = "p2c"
+    optimistic_inflight: bool = True
+    # A dispatch this close before a scrape may not be in the scraped figure yet.
+    inflight_grace_s: float = 0.05
+    # Cache-aware routing (``choose_cache_aware``): bounded load — a replica is a candidate
+    # for affinity only while its load is at most max(mean x factor, mean + slack) of the
+    # eligible replicas'; the expected prefill time saved is weighed against load at
+    # ``affinity_load_cost_s`` seconds per unit of occupancy; prompt tokens prefilled per
+    # second turn cached tokens into seconds saved (the profile's prefill rate).
+    affinity_load_factor: float = 1.25
+    affinity_load_slack: float = 0.10
+    affinity_load_cost_s: float = 0.25
+    affinity_prefill_tokens_per_s: float = 30_000.0
+    # Queued prefill (tokens this process dispatched to a replica, no first token yet) up to
+    # one engine step's token budget runs alongside a new request (chunked prefill batches
+    # them); only what is beyond it delays the new one.
+    affinity_queue_free_tokens: int = 8192
+    # Placement fairness: a prefix nobody holds goes to one of this many replicas chosen per
+    # tenant (rendezvous hashing on the tenant), so a tenant churning unique prompts evicts
+    # other tenants' prefixes on those replicas only; 0 = the whole fleet.
+    affinity_tenant_replicas: int = 0
+    # A prompt nobody holds (no client hint, no tenant replicas): on, it goes to the less
+    # loaded of its placement key's two rendezvous choices — the same two in every gateway
+    # process, so processes that cannot see each other's placements (several processes
+    # without KV events) still meet on a new shared prefix; off, it is placed exactly as P2C
+    # places it (the same draw from the router's rng). The gateway turns it off when KV
+    # events feed its index, unless GATEWAY_ADMISSION_AFFINITY_RENDEZVOUS says otherwise.
+    affinity_rendezvous: bool = True
+    # docs/design.md R6: retry budget over a sliding minute.
+    retry_budget_ratio: float = 0.20
+    retry_budget_min_admitted: int = 20
+    retry_budget_window_s: float = 60.0
+    storm_retry_after_s: tuple[float, float] = (30.0, 60.0)
+    # R6's identity of retries (gateway/admission/retrymemory.py): the recent retryable
+    # failures per process (entries, age) and their shared marks in Redis.
+    retry_memory_entries: int = 50_000
+    retry_memory_ttl_s: float = 60.0
+    retry_memory_shared: bool = True
+    # docs/design.md R6: every retry-after is base + uniform jitter.
+    quota_jitter_fraction: float = 0.5
+    quota_jitter_min_ms: int = 500
+    capacity_retry_base_ms: int = 5_000
+    capacity_jitter_ms: int = 5_000
+    # docs/design.md §8: with Redis down, KV·seconds fails closed to this share of each tenant's
+    # cap, enforced in-process (per gateway process, hence a conservative fraction).
+    local_kv_fraction: float = 0.25
+    # Floors, not strict priority (docs/design.md §7): above its 0.60 ceiling, best-effort traffic
+    # may still take this share of a gateway process's admissions (at least one request per
+    # window) on replicas under the standard ceiling, so it is never starved to zero.
+    best_effort_floor_share: float = 0.05
+    best_effort_floor_window_s: float = 10.0
+    # Early dispatch: the upstream request leaves while its quota answer is on the way when
+    # this process's last answer for the tenant-model left at least this share of every
+    # limit free (after the other early requests still awaiting theirs), was at most this
+    # old, and fewer than ``early_dispatch_max_pending`` are awaiting theirs. The answer
+    # stays authoritative: a refusal withdraws the upstream request within its round trip.
+    early_dispatch: bool = True
+    early_dispatch_margin: float = 0.25
+    early_dispatch_max_age_s: float = 1.0
+    early_dispatch_max_pending: int = 8
+    # Placement (gateway/admission/placement.py). A request's full prompt KV counts against the
+    # class ceiling from admission (not as its chunks materialise); long contexts are packed onto
+    # the designated replicas and short traffic keeps off them while it has room.
+    count_request_kv: bool = True
+    context_placement: bool = True
+    # The long-context budget: the share of a version's shared replicas that long contexts
+    # may occupy (their KV up to the class ceiling), and how many long prefills one replica
+    # runs at once (vLLM's --max-long-partial-prefills, default 1).
+    long_context_replica_share: float = 0.25
+    long_prefill_slots_per_replica: int = 1
+    # A tenant competes for the long-context budget (max-min fair share) while it asked for
+    # it within this window.
+    long_context_demand_window_s: float = 15.0
+    # Which layers are enforced (all by default).
+    layers: frozenset[str] = frozenset(LAYERS)
+
+    def enforces(self, layer: str) -> bool:
+        return layer in self.layers
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> AdmissionConfig:
+        """Every field from ``GATEWAY_ADMISSION_<FIELD>`` (upper case) when set: numbers as
+        numbers, booleans as 1/0/true/false, ``STORM_RETRY_AFTER_S`` as ``low,high`` and
+        ``LAYERS`` as a comma list. Raises ValueError naming the variable on bad input."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name = ENV_PREFIX + f.name.upper()
+            raw = env.get(name, "").strip()
+            if not raw:
+                continue
+            default = getattr(cls(), f.name)
+            try:
+                values[f.name] = _parse(raw, default)
+            except ValueError as exc:
+                raise ValueError(f"{name}={raw!r}: {exc}") from None
+        try:
+            return replace(cls(), **values)
+        except ValueError as exc:
+            raise ValueError(f"{ENV_PREFIX}*: {exc}") from None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "standard_max_occupancy",
+            "best_effort_max_occupancy",
+            "reserved_max_occupancy",
+            "reserved_oversubscription",
+            "retry_budget_ratio",
+            "local_kv_fraction",
+            "early_dispatch_margin",
+            "long_context_replica_share",
+        ):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
+        if not (
+            self.best_effort_max_occupancy
+            <= self.standard_max_occupancy
+            <= self.reserved_max_occupancy
+        ):
+            raise ValueError("occupancy ceilings must satisfy best_effort <= standard <= reserved")
+        if self.lease_renew_s * 2 >= self.lease_ttl_s:
+            raise ValueError("lease_renew_s must be under half of lease_ttl_s")
+        if self.retry_memory_entries < 1 or self.retry_memory_ttl_s <= 0:
+            raise ValueError("retry_memory_entries >= 1 and retry_memory_ttl_s > 0")
+        lo, hi = self.storm_retry_after_s
+        if not 0 < lo <= hi:
+            raise ValueError("storm_retry_after_s must be (low, high) with 0 < low <= high")
+        if self.est_out_cap < 0 or self.tpot_max_factor < 1 or self.tpot_stale_factor < 1:
+            raise ValueError("est_out_cap >= 0, tpot factors >= 1")
+        if self.affinity_load_factor < 1 or self.affinity_load_slack < 0:
+            raise ValueError("affinity_load_factor >= 1 and affinity_load_slack >= 0")
+        if self.affinity_load_cost_s <= 0 or self.affinity_prefill_tokens_per_s <= 0:
+            raise ValueError("affinity_load_cost_s > 0 and affinity_prefill_tokens_per_s > 0")
+        if self.affinity_tenant_replicas < 0:
+            raise ValueError("affinity_tenant_replicas >= 0")
+        if self.long_prefill_slots_per_replica < 1 or self.long_context_demand_window_s <= 0:
+            raise ValueError("long_prefill_slots_per_replica >= 1, demand window > 0")
+        if self.strategy not in get_args(Strategy):
+            raise ValueError(f"strategy must be one of {get_args(Strategy)}")
+        unknown = set(self.layers) - set(LAYERS)
+        if unknown:
+            raise ValueError(f"unknown layers {sorted(unknown)}; known: {', '.join(LAYERS)}")
+
+
+def _parse(raw: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("expected a boolean")
+    if isinstance(default, int):
+        return int(raw)
+    if isinstance(default, float):
+        return float(raw)
+    if isinstance(default, tuple):
+        lo, hi = (float(x) for x in raw.split(","))
+        return (lo, hi)
+    if isinstance(default, frozenset):
+        return frozenset(x.strip() for x in raw.split(",") if x.strip())
+    return raw

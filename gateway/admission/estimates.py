@@ -1,0 +1,81 @@
+"""What a request is charged before it runs (docs/design.md §6): the tokens/min estimate,
+the KV·seconds inputs (output assumed, TPOT estimate per docs/design.md R1) and the prefill
+facts that make a prompt a long context.
+
+Units: tokens are ints; KV·seconds are GiB·s as the control plane writes them, carried as
+integer milli-GiB·s (``KV_MILLI``) wherever they are summed, so that Redis sums stay exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+from contracts.schema import ModelVersionRecord as ModelVersionLike
+
+KV_MILLI = 1000  # 1 GiB·s == 1000 milli-GiB·s
+
+
+def tokens_estimate(prompt_tokens: int, max_tokens: int | None, max_output: int) -> int:
+    """Tokens/min charge at admission: prompt estimate + min(max_tokens, max_output)."""
+    out = max_output if max_tokens is None else min(max_tokens, max_output)
+    return max(0, prompt_tokens) + max(0, out)
+
+
+def est_out_for_kv(max_output: int, cap: int = 0) -> int:
+    """Output tokens assumed by the KV estimate: the effective max_output, capped if set."""
+    return max(0, min(max_output, cap) if cap > 0 else max_output)
+
+
+def tpot_estimate(
+    measured_p95_s: float | None,
+    age_s: float,
+    target_s: float,
+    *,
+    max_factor: float = 4.0,
+    stale_after_s: float = 60.0,
+    stale_factor: float = 2.0,
+) -> float:
+    """docs/design.md R1: clamp(measured p95, target, 4 x target); stale or missing -> 2 x target.
+
+    The floor keeps the estimate from ever being optimistic; the ceiling stops one stuck
+    replica from freezing admission; the stale fallback is pessimistic on purpose.
+    """
+    if measured_p95_s is None or not math.isfinite(measured_p95_s) or age_s > stale_after_s:
+        return stale_factor * target_s
+    return min(max(measured_p95_s, target_s), max_factor * target_s)
+
+
+def to_milli(gib_seconds: float) -> int:
+    """GiB·s -> integer milli-GiB·s, rounded up (never under-charge)."""
+    return max(0, math.ceil(gib_seconds * KV_MILLI))
+
+
+def expected_duration_ms(est_out: int, tpot_s: float) -> int:
+    """How long a request is expected to hold its lease: decode time at the estimated TPOT."""
+    return max(1, math.ceil(est_out * tpot_s * 1000))
+
+
+def prefill_rate(version: ModelVersionLike) -> float:
+    """Prompt tokens per second one replica prefills, as the control plane pushed it with
+    the version (0: unknown)."""
+    return max(0.0, float(version.prefill_tokens_per_s))
+
+
+def long_context_threshold(version: ModelVersionLike) -> int:
+    """Prompt tokens from which a request is a long context: its prefill alone takes at
+    least the TTFT target on this replica profile. Such a prompt cannot meet the TTFT SLO
+    anyway, and while it prefills it holds its replica's step budget for a TTFT or more.
+    A version pushed without its prefill rate has no long contexts (nothing to derive the
+    threshold from; the ceilings and KV·seconds still bound them)."""
+    rate = prefill_rate(version)
+    if rate <= 0:
+        return 2**62
+    return max(1, math.ceil(rate * max(1, version.ttft_target_ms) / 1000))
+
+
+def prefill_seconds(prompt_tokens: int, version: ModelVersionLike) -> float:
+    """How long the prompt's prefill alone takes on one replica of the profile (linear in
+    the prompt: the pushed rate is the one at the long-context threshold, so a much longer
+    prompt, whose attention grows with its length, takes longer than this)."""
+    rate = prefill_rate(version)
+    return max(0, prompt_tokens) / rate if rate > 0 else 0.0

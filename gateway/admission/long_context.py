@@ -1,0 +1,92 @@
+"""The long-context budget: how much of a version's fleet long prompts may hold at once,
+and each tenant's max-min fair share of it (the admit script in
+gateway/admission/quota.py decides the same in Redis).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+from contracts.schema import ModelVersionRecord as ModelVersionLike
+from gateway.admission.classes import occupancy_ceiling
+from gateway.admission.config import AdmissionConfig, EffectiveClass
+from gateway.admission.placement import long_context_replicas
+
+
+def long_context_budget(
+    version: ModelVersionLike, shared_replicas: int, cls: EffectiveClass, cfg: AdmissionConfig
+) -> tuple[int, int]:
+    """The fleet's long-context budget for one class of a version: (KV bytes, concurrent
+    long prefills). The designated replicas' KV up to the class ceiling, and one long
+    prefill per designated replica at a time (vLLM runs ``--max-long-partial-prefills``
+    of them per step; more only share the same compute and stretch every step longer)."""
+    n = long_context_replicas(shared_replicas, cfg)
+    capacity = version.kv_capacity_tokens * version.kv_bytes_per_token
+    kv = math.floor(n * capacity * occupancy_ceiling(cls, cfg))
+    return kv, n * cfg.long_prefill_slots_per_replica
+
+
+def fair_level(budget: int, usage: Mapping[str, int], waiting: Iterable[str], tenant: str) -> float:
+    """Max-min fair share of the long-context budget for ``tenant``: it and every waiting
+    tenant (refused within the demand window) want more than they hold; the others want
+    what they hold. Water-filling: the level L with sum(min(demand, L)) = budget. A lone
+    tenant's level is the whole budget. (The admit script in gateway/admission/quota.py computes
+    the same; tests check them against each other.)"""
+    waiting = set(waiting)
+    fixed = sorted(u for who, u in usage.items() if who != tenant and who not in waiting)
+    open_ = 1 + sum(1 for who in waiting if who != tenant)
+    left = float(budget)
+    for i, u in enumerate(fixed):
+        level = left / (open_ + len(fixed) - i)
+        if u > level:
+            return level
+        left -= u
+    return left / open_
+
+
+def long_context_admits(
+    *,
+    tenant: str,
+    need: int,
+    budget: int,
+    slots: int,
+    usage: Mapping[str, int],
+    prefilling: int,
+    waiting: Iterable[str],
+    served: Mapping[str, float] | None = None,
+) -> bool:
+    """The long-context budget's decision: the fleet total and the concurrent long
+    prefills stay within the budget (an empty budget runs any one request, alone), and a
+    tenant already holding some may not go past its max-min fair share. Room that frees up
+    goes to the waiting tenant served longest ago (``yields_to_waiting``)."""
+    waiting = set(waiting)
+    total = sum(usage.values())
+    if total + need > budget or prefilling >= slots:
+        return total <= 0
+    if yields_to_waiting(tenant, waiting, served or {}, usage):
+        return False
+    mine = usage.get(tenant, 0)
+    if mine <= 0:
+        return True
+    return mine + need <= fair_level(budget, usage, waiting, tenant)
+
+
+def yields_to_waiting(
+    tenant: str,
+    waiting: Iterable[str],
+    served: Mapping[str, float],
+    usage: Mapping[str, int] | None = None,
+) -> bool:
+    """Whether ``tenant`` must leave room that just freed to another tenant: one that was
+    refused within the demand window (``waiting``), holds no more of the budget than
+    ``tenant`` does (``usage``; so the fair share would not refuse it first) and was last
+    admitted before ``tenant`` was (``served``: each tenant's last admission, absent =
+    never). A long prefill holds a replica for many seconds and the budget runs only a few
+    at once, so the KV share alone cannot be fair: whoever asks first after a prefill ends
+    would take the slot, and the served counts would be a lottery of arrival times. Least
+    recently served first makes them take turns; a lone tenant (nobody waiting) never
+    yields."""
+    usage = usage or {}
+    mine, held = served.get(tenant, -1), usage.get(tenant, 0)
+    return any(served.get(w, -1) < mine and usage.get(w, 0) <= held for w in waiting if w != tenant)

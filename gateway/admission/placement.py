@@ -1,0 +1,299 @@
+"""Replica placement: ONE pure scoring function that every routing rule goes through.
+
+``score(view, request, cfg)`` says how much the router wants to put ``request`` on the
+replica ``view`` describes: ``None`` = the replica may not take it at all, otherwise a
+float where higher is better. ``choose`` takes the best of the scores. Every rule of
+replica choice is a term of that one function, so that a new term (the expected prefix
+cache hit, say) cannot quietly bypass an older one:
+
+- **eligibility (None)**: the reserved pool takes only floor traffic; the class ceiling
+  must hold *after* this request's full prompt KV lands (the KV still to come is charged
+  from admission, not as its chunks materialise); a long-context request may only go to
+  the replicas designated for long contexts (see below).
+- **bands** (multiples of ``BAND``): a preference no fractional term can override.
+  Floor traffic: the reserved pool first. Long-context requests: the lowest-ranked
+  designated replica with room (packing: as few replicas as the ceilings allow). Short
+  requests: replicas that host no long context first.
+- **within a band** (|term| < ``BAND`` / 2): the load (scraped occupancy plus this
+  process's optimistic in-flight KV) — the emptier the better — plus the affinity term:
+  the prefill time the replica would save because it already holds the request's leading
+  prompt tokens in its prefix cache (``ReplicaView.cache_hit_tokens``, filled in by
+  cache-aware routing from ``gateway.admission.prefix``; the version's prefill rate turns
+  tokens into seconds, ``affinity_load_cost_s`` seconds weigh as one unit of occupancy),
+  less the wait behind the prefill this process queued there, never below zero
+  (``net_affinity``: the queue discounts a hit; a replica without one is scored on its
+  load alone, as P2C scores it). Affinity lives only inside a band, so the ceilings, the
+  reserved pool and the long-context placement always win over it.
+
+Which replicas host long contexts: every gateway process orders a version's shared
+replicas the same way (rendezvous hashing of the replica id, ``long_context_order``), so
+all processes pack long contexts onto the same replicas without talking to each other.
+Long contexts may use the first ``designated`` replicas of that order (the fleet budget's
+replica count, ``long_context_replicas``); a replica "hosts" long contexts when this
+process has one in flight there or when the fleet's long-context KV in flight (the last
+long-context budget answer from Redis) needs it, in order, at the standard ceiling.
+
+The chooser (``choose``): candidates are the eligible replicas of the best band. A
+long-context request takes the best of all of them (they are rare and large; packing is the
+point, and the optimistic in-flight charge of a 40 GiB prompt keeps the next decision off a
+replica it just filled). Everything else samples two of them and takes the better (power of
+two choices): the scrape is ~250 ms stale and a busy gateway decides dozens of times in that
+window; the best of all would herd onto one replica (see ``bench/herd.py``).
+
+With strategy ``cache_aware`` and a request's ``PrefixTerms``, a request with nothing to
+follow (``follows_affinity``: no candidate holds part of its prompt, no client hint, no tenant
+replicas, and ``affinity_rendezvous`` off) is placed exactly as P2C places it: the same draw
+from the router's rng, the same comparison, so traffic without shared prefixes (the herd) is
+routed as P2C routes it. Otherwise (``_choose_cache_aware``) random sampling would rarely
+include the replica holding the prefix, so within the band:
+bounded load when some replica holds part of the prompt (or with
+``affinity_tenant_replicas``) — only replicas whose load (with
+the queued prefill) is at most
+``max(mean x affinity_load_factor, mean + affinity_load_slack)`` of the band are candidates
+(consistent hashing with bounded loads: a hot prefix spills to another replica instead of
+piling onto one) — then the best score if any candidate holds part of the prompt;
+otherwise the better of the first two replicas in the placement key's rendezvous order (the
+same two in every gateway process, so a conversation's or a system prompt's first requests
+meet; distinct keys give uniform, independent pairs, as P2C's draws are, but not the same
+ones), within the tenant's own replicas when ``affinity_tenant_replicas`` is set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.admission.classes import occupancy_ceiling, pool_admits
+from gateway.admission.config import AdmissionConfig, EffectiveClass
+from gateway.admission.routing import PrefixTerms, ReplicaView, rendezvous_order
+
+BAND = 1_000_000.0  # one preference step; terms inside a band stay well under BAND / 2
+_IN_BAND = BAND / 4
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRequest:
+    """What placement knows about the request being placed."""
+
+    cls: EffectiveClass
+    kv_bytes: int  # the prompt's full KV: what the replica holds once prefill is done
+    long_context: bool = False  # above the version's long-context threshold
+    kv_bytes_per_token: int = 0  # unused since the affinity term is in seconds; kept for callers
+    prefix: PrefixTerms | None = None  # cache-aware routing's terms (strategy cache_aware)
+    # The KV its decode will add after admission (the output the admission's KV charge
+    # assumes, times the sequences): a long context's ceiling check reserves it.
+    growth_bytes: int = 0
+
+
+def in_band(term: float) -> float:
+    """Clamp a within-band term so it can never cross into another band."""
+    return max(-_IN_BAND, min(_IN_BAND, term))
+
+
+def band_of(value: float) -> int:
+    return math.floor(value / BAND + 0.5)
+
+
+def request_bytes(req: PlacementRequest) -> int:
+    """The KV the ceiling check charges for the request: its whole prompt, and for a long
+    context also its expected output growth — its decode KV keeps arriving for as long as
+    it runs, on a replica packed to the ceiling with other long contexts. (A short request's
+    growth is small beside the ceiling's margin and is seen by the next scrapes.)"""
+    growth = max(0, req.growth_bytes) if req.long_context else 0
+    return max(0, req.kv_bytes) + growth
+
+
+def fits_ceiling(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig) -> bool:
+    """The class ceiling holds with this request's KV on the replica (``request_bytes``):
+    the KV a long prompt will allocate chunk by chunk over seconds, and a long context's
+    output growth, are counted from admission."""
+    load = view.load(cfg.optimistic_inflight)
+    if cfg.count_request_kv and view.capacity_bytes > 0:
+        load += request_bytes(req) / view.capacity_bytes
+    ceiling = occupancy_ceiling(req.cls, cfg)
+    return load <= ceiling if req.cls == "reserved" else load < ceiling
+
+
+def _prefill_rate(req: PlacementRequest, cfg: AdmissionConfig) -> float:
+    if req.prefix is not None and req.prefix.prefill_tokens_per_s > 0:
+        return req.prefix.prefill_tokens_per_s
+    return cfg.affinity_prefill_tokens_per_s
+
+
+def affinity(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig) -> float:
+    """The expected-cache-hit term: the prefill seconds this replica saves because it holds
+    the request's leading prompt tokens (``cache_hit_tokens`` / the prefill rate), in units
+    of occupancy (``affinity_load_cost_s`` seconds = one full replica of load)."""
+    if view.cache_hit_tokens <= 0:
+        return 0.0
+    return view.cache_hit_tokens / _prefill_rate(req, cfg) / cfg.affinity_load_cost_s
+
+
+def queue_term(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig) -> float:
+    """The prefill this process queued on the replica (``queued_prefill_tokens``, filled in
+    by cache-aware routing) beyond one step's token budget (which a new request shares
+    rather than waits behind), in the same units: the seconds a new request would wait.
+    KV occupancy alone misses it: a replica busy prefilling holds little KV yet, and
+    affinity would pile a tenant's conversations onto it."""
+    waiting = view.queued_prefill_tokens - cfg.affinity_queue_free_tokens
+    if waiting <= 0:
+        return 0.0
+    return waiting / _prefill_rate(req, cfg) / cfg.affinity_load_cost_s
+
+
+def net_affinity(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig) -> float:
+    """What holding the prompt's prefix is worth on this replica: the prefill it saves less
+    the wait behind the prefill queued there, never below zero. The queue discounts a hit
+    and nothing else: a replica without one is scored on its load alone, exactly as P2C
+    scores it (its queued prompts are already in the optimistic in-flight KV). Charged to
+    every replica, the queue term outweighed occupancy by orders of magnitude (0.25 s of
+    queued prefill weighs as a full replica) and steered unmatched traffic by queue
+    length alone, onto replicas with full KV and large decode batches."""
+    gain = affinity(view, req, cfg)
+    if gain <= 0.0:
+        return 0.0
+    return max(0.0, gain - queue_term(view, req, cfg))
+
+
+def score(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig) -> float | None:
+    """How much ``req`` should go to ``view``: None = not at all; higher is better."""
+    capacity = cfg.enforces("capacity")
+    if capacity:
+        if not pool_admits(req.cls, view.pool) or not fits_ceiling(view, req, cfg):
+            return None
+    band = 0
+    if capacity and req.cls == "reserved" and view.pool == "reserved":
+        # The reserved pool first, then shared replicas (docs/design.md R2: "try another").
+        band += 2
+    if cfg.context_placement and view.pool != "reserved":
+        if req.long_context:
+            if view.long_rank < 0 or view.long_rank >= view.long_designated:
+                return None  # not a long-context replica: the budget's replicas only
+            band -= view.long_rank  # pack: the lowest-ranked one with room
+        elif view.hosts_long:
+            band -= 1  # short traffic keeps off long contexts while it has room elsewhere
+    term = -view.load(cfg.optimistic_inflight) + net_affinity(view, req, cfg)
+    return band * BAND + in_band(term)
+
+
+def choose(
+    views: Sequence[ReplicaView],
+    req: PlacementRequest,
+    cfg: AdmissionConfig,
+    rng: random.Random,
+    *,
+    turn: int = 0,
+) -> ReplicaView | None:
+    """The replica for ``req``, or None when no replica may take it (a 503)."""
+    scored = [(s, v) for v in views if (s := score(v, req, cfg)) is not None]
+    if len(scored) <= 1:  # none may take it, or the only one that may (no band to compare)
+        return scored[0][1] if scored else None
+    top = max(band_of(s) for s, _ in scored)
+    cands = [(s, v) for s, v in scored if band_of(s) == top]
+    if len(cands) == 1:
+        return cands[0][1]
+    if (
+        cfg.strategy == "cache_aware"
+        and req.prefix is not None
+        and not req.long_context
+        and follows_affinity(cands, req.prefix, cfg)
+    ):
+        return _choose_cache_aware(cands, req.prefix, cfg)
+    if cfg.strategy == "round_robin":
+        return cands[turn % len(cands)][1]
+    if req.long_context or cfg.strategy == "emptiest":
+        return max(cands, key=lambda sv: sv[0])[1]
+    a, b = rng.sample(range(len(cands)), 2)
+    return cands[a][1] if cands[a][0] >= cands[b][0] else cands[b][1]
+
+
+def follows_affinity(
+    cands: Sequence[tuple[float, ReplicaView]], prefix: PrefixTerms, cfg: AdmissionConfig
+) -> bool:
+    """Whether cache-aware routing has anything to follow among the candidates: some
+    replica holds part of the prompt, the client gave an affinity hint, the tenant has home
+    replicas, or new prefixes are placed by rendezvous (``affinity_rendezvous``: gateway
+    processes blind to each other's placements). Otherwise the request is placed exactly as
+    P2C places it: the same draw of two from the router's rng, the same comparison."""
+    return (
+        cfg.affinity_rendezvous
+        or prefix.hinted
+        or 0 < cfg.affinity_tenant_replicas < len(cands)
+        or any(v.cache_hit_tokens > 0 for _, v in cands)
+    )
+
+
+def load_bound(loads: Sequence[float], cfg: AdmissionConfig) -> float:
+    """Bounded load: no replica is chosen for affinity above this (consistent hashing with
+    bounded loads, with an absolute slack so a nearly idle fleet does not spill at once)."""
+    mean = sum(loads) / len(loads)
+    return max(mean * cfg.affinity_load_factor, mean + cfg.affinity_load_slack)
+
+
+def _choose_cache_aware(
+    cands: Sequence[tuple[float, ReplicaView]], prefix: PrefixTerms, cfg: AdmissionConfig
+) -> ReplicaView:
+    """Within one band (see the module doc): when anyone holds part of the prompt, the load
+    bound, then the best score; else (or when every holder is past the bound) the better
+    of two rendezvous choices of the placement key."""
+    within = {v.replica_id: (s, v) for s, v in cands}
+    tenant_homes = 0 < cfg.affinity_tenant_replicas < len(cands)
+    if tenant_homes or any(v.cache_hit_tokens > 0 for _, v in cands):
+        # The bound guards affinity (and a tenant's home replicas): a holder's queued prefill
+        # counts as its load, so a hot prefix spills before its queue grows. Otherwise
+        # unmatched traffic is not bounded: it takes the less loaded of two, as P2C does.
+        req = PlacementRequest("standard", 0, prefix=prefix)  # only the rate is read
+        loads = {
+            v.replica_id: v.load(cfg.optimistic_inflight) + queue_term(v, req, cfg)
+            for _, v in cands
+        }
+        bound = load_bound(list(loads.values()), cfg)
+        # the least loaded candidate is always within (the bound is at least the mean)
+        within = {rid: sv for rid, sv in within.items() if loads[rid] <= bound}
+    ranked = rendezvous_order(prefix.placement_key, [v for _, v in within.values()])
+    if any(v.cache_hit_tokens > 0 for v in ranked):
+        # max keeps the first of equal scores: the rendezvous order breaks ties alike
+        return max(ranked, key=lambda v: within[v.replica_id][0])
+    if tenant_homes:
+        home = {
+            v.replica_id
+            for v in rendezvous_order(prefix.tenant_key, [v for _, v in cands])[
+                : cfg.affinity_tenant_replicas
+            ]
+        }
+        ranked = [v for v in ranked if v.replica_id in home] or ranked
+    return max(ranked[:2], key=lambda v: within[v.replica_id][0])
+
+
+# -- which replicas take long contexts -----------------------------------------------------
+
+
+def long_context_order(version: str, replica_ids: Sequence[str]) -> list[str]:
+    """The shared replicas of ``version`` in the order every gateway process packs long
+    contexts onto them: rendezvous hashing, stable under replicas joining or leaving."""
+
+    def weight(rid: str) -> bytes:
+        return hashlib.blake2b(f"{version}\0{rid}".encode(), digest_size=8).digest()
+
+    return sorted(replica_ids, key=weight)
+
+
+def long_context_replicas(shared_replicas: int, cfg: AdmissionConfig) -> int:
+    """How many shared replicas may hold long contexts: ``long_context_replica_share`` of
+    them, at least one (a lone replica serves everyone)."""
+    if shared_replicas <= 0:
+        return 0
+    share = math.floor(cfg.long_context_replica_share * shared_replicas)
+    return max(1, min(shared_replicas, share))
+
+
+def replicas_hosting(fleet_long_bytes: int, capacity_bytes: int, cfg: AdmissionConfig) -> int:
+    """How many replicas, filled in order to the standard ceiling, the fleet's in-flight
+    long-context KV occupies."""
+    if fleet_long_bytes <= 0 or capacity_bytes <= 0:
+        return 0
+    per_replica = capacity_bytes * cfg.standard_max_occupancy
+    return math.ceil(fleet_long_bytes / per_replica)

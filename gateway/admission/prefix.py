@@ -1,0 +1,379 @@
+"""Which replica already holds a request's prompt prefix: block hashes, the index, KV events.
+
+**Hashes.** A replica's prefix cache is keyed by chained hashes of full token blocks: block
+``i``'s hash covers its tokens and block ``i-1``'s hash, and the first block also mixes in the
+request's ``cache_salt`` (the gateway sets it per tenant), so two tenants never share a chain
+and an index keyed by these hashes can never match across tenants. ``prompt_token_ids`` and
+``block_hashes`` reproduce the replicas' computation exactly: the chat template and tokenizer
+rules and the chain hash of the emulated fleet (``emulator.tokenizer``, ``emulator.kv``;
+imported, not copied, so they cannot drift). Only the blocks a replica can serve from cache
+count: vLLM recomputes at least the prompt's last token, so ``(n - 1) // block_size``
+blocks.
+
+The hash scheme is selectable (``emulator.kv.get_hasher``; ``GATEWAY_PREFIX_HASH``, and
+the replica's ``--prefix-caching-hash-algo``): the emulator's chain hash by default, or vLLM
+v1's ``sha256``/``sha256_cbor`` construction seeded by the replicas' ``PYTHONHASHSEED``
+(``GATEWAY_PREFIX_HASH_SEED``). The index keys on the low 64 bits (``& MASK64``) of either,
+which is what vLLM's KV events carry as an int, and what a 32-byte digest in an event is
+reduced to (``event_hash``). Two things must match a real vLLM replica for KV events to be
+usable: the scheme with its seed, and the token ids — for a real model, its own tokenizer
+and chat template, which ``prompt_token_ids`` here does not have (it renders the emulator's).
+The index fed by this process's own dispatches needs neither: it only compares hashes this
+process computed. The cost measured here (``python -m bench.prefix_routing --hash-cost``) is
+the emulated tokenizer's with the emulator's hash.
+
+**Index.** ``PrefixIndex``: for each replica, the block hashes it is believed to hold, in
+LRU order with a last-seen time. Two writers:
+
+* the router's own dispatches (``record``): every prompt sent to a replica leaves its full
+  blocks there (cached at schedule time). Approximate — it misses other gateway processes'
+  dispatches and does not see evictions — so entries age out after ``ttl_s`` and each
+  replica keeps at most ``max_blocks_per_replica`` (a bound on memory: ~140 bytes a block);
+* a replica's KV-cache events (``apply_events``, fed by ``KVEventSubscriber``): what the
+  replica actually stored and evicted, for every gateway process alike.
+
+``match`` walks the request's chain once per replica and stops at the first unknown block,
+as the replica's own lookup does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from emulator.kv import EMULATOR_HASHER, BlockHasher, salt_key
+from emulator.tokenizer import Tokenizer
+
+log = logging.getLogger("gateway.prefix")
+
+MASK64 = (1 << 64) - 1
+# The chain position of the key used to place a prefix nobody holds yet: deep enough to
+# tell a tenant's system prompts apart, shallow enough to be shared by their conversations.
+PLACEMENT_BLOCK = 3
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixQuery:
+    """What the router needs of one request to weigh cache affinity."""
+
+    tenant_id: str
+    block_hashes: tuple[int, ...]  # cacheable full blocks, in chain order
+    block_size: int
+    prompt_tokens: int  # tokens examined (a long prompt's first ``max_blocks`` blocks)
+    # Placement key for a prefix no replica holds: the client's ``prompt_cache_key`` (or
+    # ``user``) hashed with the tenant's salt, else the chain hash at ``PLACEMENT_BLOCK``.
+    placement_key: int
+    hinted: bool = False  # the key is the client's hint, not a chain hash
+
+
+# One per process: its word cache is bounded by the tokenizer itself.
+_TOKENIZER = Tokenizer()
+
+
+def prompt_token_ids(messages: Sequence[Mapping[str, str]], limit: int | None = None) -> list[int]:
+    """The prompt's token ids as the replica computes them (its chat template); with
+    ``limit``, only the first ``limit`` of them (messages past it are not tokenized)."""
+    if limit is None:
+        return _TOKENIZER.apply_chat_template(
+            [{"role": m["role"], "content": m.get("content")} for m in messages]
+        )
+    out: list[int] = []
+    for m in messages:  # the template is per message: a prefix of messages is a prefix
+        # [start_header, role, end_header, eot] around the content's tokens
+        frame = _TOKENIZER.apply_chat_template(
+            [{"role": m["role"], "content": None}], add_generation_prompt=False
+        )
+        out += frame[:-1]
+        content = m.get("content") or ""
+        if len(content) <= limit:
+            _TOKENIZER.encode_text(content, out)
+        else:  # every word is at least one token: the first ``limit`` words are enough,
+            # tokenized a slice at a time so a huge message stops where the cap is reached
+            words = content.split(None, limit)[:limit]
+            for start in range(0, len(words), 1024):
+                _TOKENIZER.encode_text(" ".join(words[start : start + 1024]), out)
+                if len(out) > limit:
+                    break
+        if len(out) > limit:
+            return out[:limit]
+        out.append(frame[-1])
+    out += _TOKENIZER.apply_chat_template([], add_generation_prompt=True)
+    return out[:limit]
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None,
+    hasher: BlockHasher = EMULATOR_HASHER,
+) -> list[int]:
+    """Chained hashes of the blocks a replica can serve from cache (not the last token's)."""
+    usable = ((len(token_ids) - 1) // block_size) * block_size if token_ids else 0
+    out: list[int] = []
+    hasher.chain(token_ids[:usable], block_size, 0, 0, hasher.first_extra(cache_salt), out)
+    return out
+
+
+def event_hash(h: int | bytes) -> int:
+    """A block hash from a KV event as the index keys it: an int's low 64 bits, or a
+    digest's big-endian value's (vLLM sends digests by default, their last 8 bytes as an
+    int with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``: both give the same key)."""
+    if isinstance(h, bytes | bytearray):
+        return int.from_bytes(h, "big") & MASK64
+    return h & MASK64
+
+
+def hint_key(hint: str, cache_salt: str) -> int:
+    """A client affinity hint (``prompt_cache_key``/``user``) as a per-tenant placement key:
+    the same hint from two tenants gives unrelated keys."""
+    digest = hashlib.blake2b(
+        hint.encode("utf-8"), digest_size=8, key=cache_salt.encode("ascii")[:64]
+    ).digest()
+    return int.from_bytes(digest, "little")
+
+
+def make_query(
+    tenant_id: str,
+    messages: Sequence[Mapping[str, str]],
+    cache_salt: str,
+    block_size: int,
+    hint: str | None = None,
+    max_blocks: int = 2048,
+    hasher: BlockHasher = EMULATOR_HASHER,
+) -> PrefixQuery:
+    """A request's query. At most ``max_blocks`` leading blocks are hashed: it bounds the
+    hot path's cost for very long prompts (tokenizing and hashing ~60 ns a token here),
+    and a match that long already decides the choice."""
+    tokens = prompt_token_ids(messages, max_blocks * block_size + 1)
+    return query_from_tokens(tenant_id, tokens, cache_salt, block_size, hint, hasher)
+
+
+def query_from_tokens(
+    tenant_id: str,
+    tokens: Sequence[int],
+    cache_salt: str,
+    block_size: int,
+    hint: str | None = None,
+    hasher: BlockHasher = EMULATOR_HASHER,
+) -> PrefixQuery:
+    hashes = block_hashes(tokens, block_size, cache_salt, hasher)
+    if hint is not None:
+        key = hint_key(hint, cache_salt)
+    elif hashes:
+        key = hashes[min(len(hashes), PLACEMENT_BLOCK) - 1] & MASK64
+    else:  # under one block: nothing to share, spread like any unique prompt
+        key = hash((salt_key(cache_salt), tuple(tokens))) & MASK64
+    return PrefixQuery(
+        tenant_id, tuple(hashes), block_size, len(tokens), key, hinted=hint is not None
+    )
+
+
+class PrefixIndex:
+    """Replica -> block hashes it is believed to hold; bounded per replica, aged by TTL.
+
+    Single-threaded (the gateway's event loop); the KV-event subscriber applies events on the
+    same loop."""
+
+    def __init__(
+        self,
+        *,
+        max_blocks_per_replica: int = 200_000,
+        ttl_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_blocks_per_replica < 1 or ttl_s <= 0:
+            raise ValueError("the index needs a positive bound and TTL")
+        self.max_blocks = max_blocks_per_replica
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._blocks: dict[str, OrderedDict[int, float]] = {}
+        self.evicted = 0  # entries dropped for the bound (not by TTL or events)
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self._blocks.values())
+
+    def replicas(self) -> list[str]:
+        return list(self._blocks)
+
+    def blocks_of(self, replica_id: str) -> int:
+        held = self._blocks.get(replica_id)
+        return len(held) if held else 0
+
+    def record(self, replica_id: str, hashes: Iterable[int]) -> None:
+        """The replica holds these blocks now (a dispatch, or a BlockStored event)."""
+        held = self._blocks.get(replica_id)
+        if held is None:
+            held = self._blocks[replica_id] = OrderedDict()
+        now = self._clock()
+        move = held.move_to_end
+        for h in hashes:
+            h &= MASK64
+            if h in held:
+                move(h)
+            held[h] = now
+        over = len(held) - self.max_blocks
+        if over > 0:
+            self.evicted += over
+            for _ in range(over):
+                held.popitem(last=False)
+
+    def remove(self, replica_id: str, hashes: Iterable[int]) -> None:
+        held = self._blocks.get(replica_id)
+        if held is None:
+            return
+        for h in hashes:
+            held.pop(h & MASK64, None)
+
+    def clear(self, replica_id: str) -> None:
+        self._blocks.pop(replica_id, None)
+
+    def _expire(self, held: OrderedDict[int, float], now: float) -> None:
+        cutoff = now - self.ttl_s
+        while held:
+            h, seen = next(iter(held.items()))
+            if seen >= cutoff:
+                break
+            del held[h]
+
+    def match(self, hashes: Sequence[int], replica_ids: Iterable[str]) -> dict[str, int]:
+        """Leading blocks of ``hashes`` each replica holds (0 where none)."""
+        now = self._clock()
+        out: dict[str, int] = {}
+        for rid in replica_ids:
+            held = self._blocks.get(rid)
+            if not held:
+                out[rid] = 0
+                continue
+            self._expire(held, now)
+            n = 0
+            for h in hashes:
+                if (h & MASK64) not in held:
+                    break
+                n += 1
+            out[rid] = n
+        return out
+
+    def apply_events(self, replica_id: str, events: Sequence[Mapping[str, Any]]) -> None:
+        """vLLM KV-cache events (decoded maps) from ``replica_id``."""
+        for ev in events:
+            kind = ev.get("type")
+            if kind == "BlockStored":
+                self.record(replica_id, map(event_hash, ev.get("block_hashes") or ()))
+            elif kind == "BlockRemoved":
+                self.remove(replica_id, map(event_hash, ev.get("block_hashes") or ()))
+            elif kind == "AllBlocksCleared":
+                self.clear(replica_id)
+
+
+def decode_event_batch(payload: bytes) -> list[dict[str, Any]]:
+    """vLLM's ``KVEventBatch`` (msgpack ``[ts, events, dp_rank]``) into event maps.
+
+    Events arrive as maps tagged with ``type`` (the emulator's and vLLM's encoding with
+    ``array_like=False``) or as arrays whose first item is the tag (msgspec's
+    ``array_like=True``); arrays are mapped by vLLM's field order."""
+    import msgpack  # imported here: only gateways that subscribe need it
+
+    batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    if not isinstance(batch, list | tuple) or len(batch) < 2:
+        raise ValueError("not a KV event batch")
+    out: list[dict[str, Any]] = []
+    for ev in batch[1]:
+        if isinstance(ev, dict):
+            out.append(ev)
+        elif isinstance(ev, list | tuple) and ev:
+            tag = ev[0]
+            if tag == "BlockStored":
+                out.append({"type": tag, "block_hashes": ev[1]})
+            elif tag == "BlockRemoved":
+                out.append({"type": tag, "block_hashes": ev[1]})
+            elif tag == "AllBlocksCleared":
+                out.append({"type": tag})
+    return out
+
+
+class KVEventSubscriber:
+    """A ZMQ SUB consumer of one replica's KV-cache events, applied to a ``PrefixIndex``.
+
+    Sequence numbers are checked: a gap (dropped messages under the high-water mark, a
+    replica restart) means the index no longer knows what the replica holds, so the
+    replica's entries are dropped and rebuilt from the events that follow (and from the
+    router's own dispatches)."""
+
+    def __init__(self, index: PrefixIndex, replica_id: str, endpoint: str, topic: str = "") -> None:
+        self.index = index
+        self.replica_id = replica_id
+        self.endpoint = endpoint
+        self.topic = topic
+        self.batches = 0
+        self.events = 0
+        self.gaps = 0
+        self._next_seq: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._sock: Any = None
+        self._ctx: Any = None
+
+    def start(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.endpoint)
+        self._sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode("utf-8"))
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    def handle(self, frames: Sequence[bytes]) -> None:
+        """One message ``(topic, seq, payload)``."""
+        if len(frames) != 3:
+            return
+        seq = int.from_bytes(frames[1], "big")
+        if self._next_seq is not None and seq != self._next_seq:
+            self.gaps += 1
+            self.index.clear(self.replica_id)
+            log.warning("kv events from %s: gap at seq %d", self.replica_id, seq)
+        self._next_seq = seq + 1
+        try:
+            events = decode_event_batch(frames[2])
+        except Exception:  # a foreign or corrupt message must not stop the consumer
+            log.warning("kv events from %s: undecodable batch %d", self.replica_id, seq)
+            return
+        self.index.apply_events(self.replica_id, events)
+        self.batches += 1
+        self.events += len(events)
+
+    async def _run(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            self.handle(frames)
+
+
+def parse_endpoints(raw: str) -> dict[str, str]:
+    """``GATEWAY_PREFIX_KV_EVENTS``: ``replica_id=tcp://host:port,...``."""
+    out: dict[str, str] = {}
+    for item in raw.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        rid, sep, endpoint = item.partition("=")
+        if not sep or not rid or not endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"bad kv events endpoint {item!r} (want replica_id=tcp://host:port)")
+        out[rid] = endpoint
+    return out

@@ -1,0 +1,109 @@
+"""Retry-After jitter and the retry budget (docs/design.md R6): no two clients are told the
+same instant, and retries above a share of admitted traffic are shed first.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from typing import Literal
+
+from contracts.schema import AdmissionClass
+from gateway.admission.config import AdmissionConfig
+
+
+def jittered_ms(base_ms: float, width_ms: float, rng: random.Random) -> int:
+    """base + uniform[0, width]: no two clients are told the same instant."""
+    return max(1, math.ceil(max(0.0, base_ms) + rng.uniform(0.0, max(0.0, width_ms))))
+
+
+def quota_retry_after_ms(frees_in_ms: float, cfg: AdmissionConfig, rng: random.Random) -> int:
+    """429: from when the limit frees, plus jitter proportional to the wait."""
+    width = max(cfg.quota_jitter_min_ms, frees_in_ms * cfg.quota_jitter_fraction)
+    return jittered_ms(frees_in_ms, width, rng)
+
+
+def capacity_retry_after_ms(cfg: AdmissionConfig, rng: random.Random) -> int:
+    """503 (fleet full): docs/design.md R6's base 5 s + uniform[0, 5 s] by default."""
+    return jittered_ms(cfg.capacity_retry_base_ms, cfg.capacity_jitter_ms, rng)
+
+
+def storm_retry_after_ms(cfg: AdmissionConfig, rng: random.Random) -> int:
+    """503 for a shed retry during a retry storm: uniform in [30 s, 60 s] by default."""
+    lo, hi = cfg.storm_retry_after_s
+    return jittered_ms(lo * 1000, (hi - lo) * 1000, rng)
+
+
+def retry_headers(retry_after_ms: int) -> dict[str, str]:
+    """``retry-after`` (whole seconds, rounded up) and OpenAI's ``retry-after-ms``."""
+    return {
+        "retry-after": str(max(1, math.ceil(retry_after_ms / 1000))),
+        "retry-after-ms": str(retry_after_ms),
+    }
+
+
+def in_retry_storm(admitted: int, retries: int, cfg: AdmissionConfig) -> bool:
+    """docs/design.md R6: retries above 20 % of admitted traffic over the last minute.
+
+    A minimum volume keeps one retry on a quiet fleet from reading as a 100 % storm.
+    (The Redis admit script implements the same rule; tests check them against each other.)
+    """
+    return admitted >= cfg.retry_budget_min_admitted and retries > cfg.retry_budget_ratio * admitted
+
+
+def sheds_retry(is_retry: bool, tenant_class: AdmissionClass, storm: bool) -> bool:
+    """A first attempt is a user waiting, a retry is a client library; reserved is exempt."""
+    return storm and is_retry and tenant_class != "reserved"
+
+
+def retry_shed(
+    tenant: tuple[int, int], fleet: tuple[int, int], cfg: AdmissionConfig
+) -> Literal["tenant", "fleet"] | None:
+    """Which retry budget sheds a (non-reserved) retry, given (admitted, retries) over the
+    window for its tenant-model and for the fleet's model version; None: admit it.
+
+    The tenant's own budget comes first: its retries past the ratio of its own admissions
+    are shed whatever the fleet does, so a tenant whose requests keep failing (or that
+    marks every request a retry) spends only its own budget. The fleet's budget is the
+    second line, for many small tenants each under the minimum volume: in a storm it sheds
+    a retry that would take its own tenant past the ratio, never one of a tenant within it.
+    (The admit script in gateway/admission/quota.py implements the same rule.)
+    """
+    t_adm, t_ret = tenant
+    if in_retry_storm(t_adm, t_ret, cfg):
+        return "tenant"
+    if in_retry_storm(*fleet, cfg) and t_ret + 1 > cfg.retry_budget_ratio * (t_adm + 1):
+        return "fleet"
+    return None
+
+
+class WindowCounts:
+    """(all, flagged) counts over a sliding window of ``slots`` buckets (in-process).
+
+    The retry budget's window when Redis is unreachable (flagged = retries), and the
+    best-effort floor's window (flagged = admitted above the best-effort ceiling).
+    """
+
+    def __init__(self, window_s: float = 60.0, slots: int = 6) -> None:
+        self._width = window_s / slots
+        self._slots = slots
+        self._buckets: deque[tuple[int, int, int]] = deque()  # (index, all, flagged)
+
+    def _trim(self, now_s: float) -> int:
+        idx = int(now_s // self._width)
+        while self._buckets and self._buckets[0][0] <= idx - self._slots:
+            self._buckets.popleft()
+        return idx
+
+    def counts(self, now_s: float) -> tuple[int, int]:
+        self._trim(now_s)
+        return sum(b[1] for b in self._buckets), sum(b[2] for b in self._buckets)
+
+    def record(self, now_s: float, *, flagged: bool) -> None:
+        idx = self._trim(now_s)
+        if self._buckets and self._buckets[-1][0] == idx:
+            _, a, r = self._buckets.pop()
+        else:
+            a, r = 0, 0
+        self._buckets.append((idx, a + 1, r + int(flagged)))

@@ -1,0 +1,325 @@
+"""Replica choice within a model version's fleet (docs/design.md R5): power of two random choices
+scored by last scraped KV occupancy plus this gateway's optimistic in-flight KV.
+
+The scrape is ~250 ms stale; in that window a busy gateway makes dozens of decisions, and
+"pick the emptiest" sends all of them to the same replica (C5's herd). Two changes, both
+needed: choose the less loaded of two random eligible replicas, and add to each replica's
+scraped occupancy the KV this router has dispatched to it that the scrape cannot show yet.
+
+When can a scrape show it? Not at the first scrape after dispatch: with chunked prefill a
+replica allocates a prompt's KV chunk by chunk (and a request may wait in its queue first),
+so a 128k prompt is invisible for seconds while it holds the replica's whole prefill budget.
+So an entry counts until a scrape taken after the request's *first token* (its prefill is then
+complete and fully allocated; ``inflight_grace_s`` later, to be safe), or its finish, whichever
+comes first. The relay reports first tokens with ``on_first_token``; a request whose first
+token is never reported (a non-streamed response) counts until it finishes — conservative.
+Before its first token an entry may overlap the chunks already allocated (bounded by its
+prompt, for its prefill's duration): the charge doubles as the replica's outstanding prefill
+work seen from this process, which is what keeps P2C off a replica chewing on a long prompt.
+The record is soft state, per process, never persisted or shared.
+
+The decisions themselves are the pure functions of ``gateway.admission`` policy modules (class
+ceilings, reserved pool, P2C, cache affinity); ``bench/herd.py`` and ``bench/prefix_routing.py``
+drive this same class in virtual time.
+
+Cache affinity (strategy ``cache_aware``): a request that comes with a
+``gateway.admission.prefix.PrefixQuery`` is matched against the process's ``PrefixIndex`` (which
+replica holds how many of its leading blocks) and the views carry it as
+``cache_hit_tokens``, with the prefill this process queued on each replica, into
+``gateway.admission.placement`` (the one scoring function, ``_choose_cache_aware``). Its blocks are
+recorded against the chosen replica at dispatch, so a conversation's next turn finds its
+history there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from contracts import schema
+from gateway.admission.config import AdmissionConfig, EffectiveClass
+from gateway.admission.placement import (
+    PlacementRequest,
+    long_context_order,
+    long_context_replicas,
+    replicas_hosting,
+)
+from gateway.admission.placement import choose as place
+from gateway.admission.prefix import PrefixIndex, PrefixQuery
+from gateway.admission.replicas import ReplicaState
+from gateway.admission.routing import PrefixTerms, ReplicaView, replica_key
+
+
+def route(
+    views: Sequence[ReplicaView],
+    cls: EffectiveClass,
+    cfg: AdmissionConfig,
+    rng: random.Random,
+    *,
+    turn: int = 0,
+    kv_bytes: int = 0,
+    long_context: bool = False,
+    kv_bytes_per_token: int = 0,
+    prefix: PrefixTerms | None = None,
+    growth_bytes: int = 0,
+) -> ReplicaView | None:
+    """Pick a replica for one request, or None when no replica may take it (a 503).
+
+    Floor traffic tries the reserved pool first, then shared replicas under 0.92 (docs/design.md R2:
+    "try another"); everyone else only sees shared replicas under their class ceiling.
+    Every rule is a term of ``gateway.admission.placement.score``; this is its entry point.
+    ``prefix`` (strategy ``cache_aware``) adds the expected prefix-cache hit.
+    """
+    req = PlacementRequest(
+        cls, kv_bytes, long_context, kv_bytes_per_token, prefix=prefix, growth_bytes=growth_bytes
+    )
+    return place(views, req, cfg, rng, turn=turn)
+
+
+class ReplicaSource(Protocol):
+    """What the router reads of ``gateway.admission.replicas.ReplicaRegistry`` (and the herd
+    simulation provides in virtual time)."""
+
+    def states(self, version: str) -> Sequence[ReplicaState]: ...
+    def state(self, replica_id: str) -> ReplicaState | None: ...
+
+
+class Router:
+    def __init__(
+        self,
+        registry: ReplicaSource,
+        rng: random.Random | None = None,
+        *,
+        config: AdmissionConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        index: PrefixIndex | None = None,
+    ) -> None:
+        self._registry = registry
+        self.index = index if index is not None else PrefixIndex(clock=clock)
+        self._rng = rng or random.Random()
+        self._cfg = config or AdmissionConfig()
+        self._clock = clock
+        # replica_id -> {request_id: kv_bytes}: dispatched, no first token reported yet
+        self._prefilling: dict[str, dict[str, int]] = {}
+        # replica_id -> {request_id: (first_token_at, kv_bytes)}, in first-token order:
+        # prefilled, but maybe not yet in a scrape
+        self._settling: dict[str, dict[str, tuple[float, int]]] = {}
+        # replica_id -> {request_id: output growth bytes}: long-context requests this process
+        # placed, from dispatch to finish (they shape placement for as long as they run, and
+        # their expected decode KV stays reserved on the replica's load until then)
+        self._long: dict[str, dict[str, int]] = {}
+        # version -> (clock, fleet long-context KV in flight): the last budget answer
+        self._fleet_long: dict[str, tuple[float, int]] = {}
+        # version -> (replica ids, their long-context order, each id's rank in it, how many
+        # of them are designated): recomputed only when the version's replicas change
+        self._order: dict[str, tuple[tuple[str, ...], list[str], dict[str, int], int]] = {}
+        self._turn = 0
+        # Cache-aware routing: replica_id -> {request_id: prompt tokens it must compute (the
+        # expected hit taken off)}, from dispatch to first token: the replica's queued
+        # prefill as this process sees it; and the last choice's expected hit.
+        self._queued: dict[str, dict[str, int]] = {}
+        self._last_hit: tuple[PrefixQuery, str, int] | None = None
+
+    @property
+    def config(self) -> AdmissionConfig:
+        return self._cfg
+
+    def optimistic_bytes(self, replica_id: str, scraped_at: float) -> int:
+        """KV dispatched to the replica that its last scrape cannot have seen (all of yet),
+        with the output growth reserved for its long contexts."""
+        total = 0
+        hosted = self._long.get(replica_id)
+        if hosted:
+            total = sum(hosted.values())
+        prefilling = self._prefilling.get(replica_id)
+        if prefilling:
+            total += sum(prefilling.values())
+        entries = self._settling.get(replica_id)
+        if entries:
+            cutoff = scraped_at - self._cfg.inflight_grace_s
+            while entries:  # first-token order: drop the prefix the scrape accounts for
+                rid, (at, _) = next(iter(entries.items()))
+                if at > cutoff:
+                    break
+                del entries[rid]
+            total += sum(b for _, b in entries.values())
+        return total
+
+    def note_fleet_long(self, version: str, inflight_bytes: int) -> None:
+        """The fleet's long-context KV in flight, as the last budget answer reported it
+        (without the request being placed: its own KV is counted by the ceiling check)."""
+        self._fleet_long[version] = (self._clock(), max(0, inflight_bytes))
+
+    def _layout(
+        self, version: str, states: Sequence[ReplicaState]
+    ) -> tuple[tuple[str, ...], list[str], dict[str, int], int]:
+        ids = tuple(sorted(s.replica_id for s in states if s.record.pool != "reserved"))
+        cached = self._order.get(version)
+        if cached is None or cached[0] != ids:
+            order = long_context_order(version, ids)
+            rank = {rid: i for i, rid in enumerate(order)}
+            cached = (ids, order, rank, long_context_replicas(len(order), self._cfg))
+            self._order[version] = cached
+        return cached
+
+    def views(self, version: schema.ModelVersionRecord) -> list[ReplicaView]:
+        capacity = version.kv_capacity_tokens * version.kv_bytes_per_token
+        states = self._registry.states(version.version)
+        # Per request: the order, ranks and designated count come from the cache.
+        _, _, rank, designated = self._layout(version.version, states)
+        fleet = self._fleet_long.get(version.version)
+        fleet_bytes = 0
+        if fleet is not None and self._clock() - fleet[0] <= self._cfg.lease_ttl_s:
+            fleet_bytes = fleet[1]
+        hosting = min(designated, replicas_hosting(fleet_bytes, capacity, self._cfg))
+        per_replica = capacity * self._cfg.standard_max_occupancy
+        out = []
+        for s in states:
+            if not s.healthy or s.scraped_at <= 0:
+                continue
+            r = rank.get(s.replica_id, -1)
+            out.append(
+                ReplicaView(
+                    s.replica_id,
+                    s.record.pool,
+                    s.kv_usage,
+                    self.optimistic_bytes(s.replica_id, s.scraped_at),
+                    capacity,
+                    long_rank=r,
+                    long_designated=designated,
+                    hosts_long=bool(self._long.get(s.replica_id)) or 0 <= r < hosting,
+                    long_floor=(
+                        min(per_replica, max(0.0, fleet_bytes - r * per_replica)) / capacity
+                        if 0 <= r < designated and capacity > 0
+                        else 0.0
+                    ),
+                )
+            )
+        return out
+
+    def with_hits(self, views: list[ReplicaView], query: PrefixQuery) -> list[ReplicaView]:
+        """The views with ``cache_hit_tokens`` (the leading prompt tokens each replica is
+        believed to hold, from this process's index) and ``queued_prefill_tokens`` (prompt
+        tokens this process sent there that have no first token yet, less their expected
+        hits)."""
+        blocks = self.index.match(query.block_hashes, (v.replica_id for v in views))
+        bs = query.block_size
+        out = []
+        for v in views:
+            pending = self._queued.get(v.replica_id)
+            queued = sum(pending.values()) if pending else 0
+            hit = blocks[v.replica_id] * bs
+            if hit or queued:
+                v = dataclasses.replace(v, cache_hit_tokens=hit, queued_prefill_tokens=queued)
+            out.append(v)
+        return out
+
+    def choose(
+        self,
+        version: schema.ModelVersionRecord,
+        admission_class: str,
+        est_kv_bytes: int,
+        *,
+        long_context: bool = False,
+        prefix: PrefixQuery | None = None,
+        growth_bytes: int = 0,
+    ) -> schema.ReplicaRecord | None:
+        """A replica of ``version`` that may take a request of the (effective) class, or None
+        when none may (the caller answers 503). ``est_kv_bytes`` (the prompt's KV) counts
+        against the class ceiling here and is recorded by ``on_dispatch``: a choice is not
+        yet a dispatch. ``growth_bytes``: a long context's expected output KV, reserved
+        against the ceiling too."""
+        cls: EffectiveClass = admission_class  # type: ignore[assignment]
+        views = self.views(version)
+        terms = None
+        if prefix is not None and self._cfg.strategy == "cache_aware" and views:
+            views = self.with_hits(views, prefix)
+            terms = PrefixTerms(
+                prefix.placement_key,
+                replica_key(prefix.tenant_id),
+                version.prefill_tokens_per_s,
+                hinted=prefix.hinted,
+            )
+        pick = route(
+            views,
+            cls,
+            self._cfg,
+            self._rng,
+            turn=self._turn,
+            kv_bytes=est_kv_bytes,
+            long_context=long_context,
+            kv_bytes_per_token=version.kv_bytes_per_token,
+            prefix=terms,
+            growth_bytes=growth_bytes,
+        )
+        self._turn += 1
+        if terms is not None and prefix is not None and pick is not None:
+            self._last_hit = (prefix, pick.replica_id, pick.cache_hit_tokens)
+        if pick is None:
+            return None
+        state = self._registry.state(pick.replica_id)
+        return state.record if state is not None else None
+
+    def on_dispatch(
+        self,
+        replica: schema.ReplicaRecord,
+        request_id: str,
+        est_kv_bytes: int,
+        *,
+        long_context: bool = False,
+        prefix: PrefixQuery | None = None,
+        growth_bytes: int = 0,
+    ) -> None:
+        """Called once the request is sent to ``replica``: count it until a scrape after its
+        first token (or its finish); a long-context request marks the replica as hosting
+        long contexts until it finishes, and its output growth stays charged there until
+        then; the prompt's blocks are now cached there."""
+        self._prefilling.setdefault(replica.replica_id, {})[request_id] = max(0, est_kv_bytes)
+        if long_context:
+            self._long.setdefault(replica.replica_id, {})[request_id] = max(0, growth_bytes)
+        if prefix is not None and self._cfg.strategy == "cache_aware":
+            self.index.record(replica.replica_id, prefix.block_hashes)
+            hit = 0
+            last = self._last_hit
+            if last is not None and last[0] is prefix and last[1] == replica.replica_id:
+                hit = last[2]
+            self._queued.setdefault(replica.replica_id, {})[request_id] = max(
+                0, prefix.prompt_tokens - hit
+            )
+
+    def _unqueue(self, replica_id: str, request_id: str) -> None:
+        queued = self._queued.get(replica_id)
+        if queued is not None and queued.pop(request_id, None) is not None and not queued:
+            del self._queued[replica_id]
+
+    def on_first_token(self, replica: schema.ReplicaRecord, request_id: str) -> None:
+        """Called when the request's first token arrives (its prefill is done): from here it
+        counts only until the replica's next scrape. Unknown or repeated calls are no-ops."""
+        self._unqueue(replica.replica_id, request_id)
+        prefilling = self._prefilling.get(replica.replica_id)
+        if prefilling is None:
+            return
+        kv_bytes = prefilling.pop(request_id, None)
+        if kv_bytes is not None:
+            self._settling.setdefault(replica.replica_id, {})[request_id] = (
+                self._clock(),
+                kv_bytes,
+            )
+
+    def on_finish(self, replica: schema.ReplicaRecord, request_id: str) -> None:
+        """Called exactly once per dispatched request, whatever its ending: a request that
+        ended before the next scrape no longer holds KV the scrape would have shown."""
+        replica_id = replica.replica_id
+        self._unqueue(replica_id, request_id)
+        hosted = self._long.get(replica_id)
+        if hosted is not None and hosted.pop(request_id, None) is not None and not hosted:
+            del self._long[replica_id]
+        prefilling = self._prefilling.get(replica_id)
+        if prefilling is not None and prefilling.pop(request_id, None) is not None:
+            return
+        settling = self._settling.get(replica_id)
+        if settling is not None:
+            settling.pop(request_id, None)

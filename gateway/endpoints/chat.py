@@ -1,0 +1,55 @@
+"""``POST /v1/chat/completions``: what the chat endpoint adds to the shared request pipeline
+(endpoints/pipeline.py): its body's parsing and validation, its prompt estimate, and the
+prompt's block hashes for cache-aware routing."""
+
+from __future__ import annotations
+
+from contracts.schema import Scope
+from emulator.kv import get_hasher
+from gateway.admission.prefix import PrefixQuery, make_query
+from gateway.admission.tokens import Rule
+from gateway.config import GatewayConfig
+from gateway.endpoints.pipeline import PipelineEndpoint, RequestPipeline
+from gateway.endpoints.validation import ChatRequest, GenerationRequest, parse_chat
+from gateway.upstream.client import UpstreamClient
+
+
+class ChatCompletions(PipelineEndpoint):
+    scope: Scope = "chat"
+
+    def __init__(
+        self, pipeline: RequestPipeline, config: GatewayConfig, upstream: UpstreamClient
+    ) -> None:
+        super().__init__(pipeline)
+        self.config = config
+        self.upstream = upstream
+
+    def parse(self, body: bytes) -> ChatRequest:
+        return parse_chat(body)
+
+    def prompt_estimate(self, req: GenerationRequest, counter: Rule) -> tuple[int, int]:
+        assert isinstance(req, ChatRequest)
+        estimate = counter.prompt_tokens(req.message_texts)
+        if req.extra_texts:
+            # Tool definitions are one more template block; a json schema is counted as if
+            # it were prompt (guided decoding's cost; the replica does not bill it).
+            if "tools" in req.sampling:
+                estimate += counter.message_overhead
+            estimate += sum(counter.text_tokens(text) for text in req.extra_texts)
+        return estimate, estimate
+
+    def prefix_query(self, req: GenerationRequest, tenant_id: str) -> PrefixQuery | None:
+        """The prompt's block hashes for cache-aware routing (tokenized as the replicas do,
+        salted as the upstream body is), or None when routing ignores the cache."""
+        if self.config.admission.strategy != "cache_aware":
+            return None
+        assert isinstance(req, ChatRequest)
+        return make_query(
+            tenant_id,
+            req.messages,
+            self.upstream.cache_salt(tenant_id),
+            self.config.prefix_block_size,
+            req.cache_hint,
+            self.config.prefix_max_blocks,
+            get_hasher(self.config.prefix_hash, self.config.prefix_hash_seed),
+        )

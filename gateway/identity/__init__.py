@@ -1,0 +1,2 @@
+"""Who is calling: API key authentication against the gateway's cache of the read model the
+control plane pushes to Redis."""

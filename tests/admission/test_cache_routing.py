@@ -1,0 +1,359 @@
+"""Cache-aware replica choice: the expected-cache-hit term of ``gateway.admission.placement.score``
+and its chooser (strategy ``cache_aware``) — never above a ceiling, never across a band,
+affinity bounded by load, hot prefixes spill, placement the same in every process."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.admission import config, placement, routing
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.placement import PlacementRequest, choose, load_bound, score
+from gateway.admission.prefix import make_query
+from gateway.admission.router import Router
+from gateway.admission.routing import PrefixTerms, ReplicaView
+from gateway.config import GatewayConfig
+from tests.admission.test_router import VERSION, Registry
+
+CFG = AdmissionConfig(strategy="cache_aware")
+# one gateway process, or KV events feeding the index: a prompt nobody holds goes as P2C's
+CFG_EVENTS = AdmissionConfig(strategy="cache_aware", affinity_rendezvous=False)
+P2C = AdmissionConfig(strategy="p2c")
+CAP = 1_000_000
+RATE = 30_000.0  # prompt tokens per second
+
+
+def view(i: int, occ: float, hit: int = 0, pool: str = "shared") -> ReplicaView:
+    return ReplicaView(f"r{i}", pool, occ, 0, CAP, cache_hit_tokens=hit)
+
+
+def req(
+    key: int = 7, tenant: int = 0, cls: config.EffectiveClass = "standard", hinted: bool = False
+) -> PlacementRequest:
+    return PlacementRequest(cls, 0, prefix=PrefixTerms(key, tenant, RATE, hinted=hinted))
+
+
+@st.composite
+def fleets(draw: st.DrawFn) -> list[ReplicaView]:
+    n = draw(st.integers(1, 12))
+    designated = draw(st.integers(0, n))
+    out = []
+    for i in range(n):
+        pool = draw(st.sampled_from(["shared", "shared", "reserved"]))
+        out.append(
+            ReplicaView(
+                f"r{i}",
+                pool,
+                draw(st.floats(0, 1.0)),
+                draw(st.integers(0, CAP // 2)),
+                CAP,
+                long_rank=i if pool == "shared" else -1,
+                long_designated=designated,
+                hosts_long=draw(st.booleans()),
+                cache_hit_tokens=draw(st.sampled_from([0, 0, 16, 4_000, 200_000])),
+            )
+        )
+    return out
+
+
+requests = st.builds(
+    PlacementRequest,
+    st.sampled_from(["reserved", "standard", "best_effort"]),
+    st.integers(0, CAP // 4),
+    st.booleans(),
+    st.integers(0, 100),
+    prefix=st.builds(
+        PrefixTerms, st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.just(RATE)
+    ),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(fleets(), requests, st.integers(0, 2**32))
+def test_same_band_as_p2c_and_never_above_the_ceiling_or_the_load_bound(
+    views: list[ReplicaView], r: PlacementRequest, seed: int
+) -> None:
+    """Affinity chooses only among what P2C could choose: the same eligibility and band;
+    within it, never above the bound."""
+    pick = choose(views, r, CFG, random.Random(seed))
+    blind = choose([replace(v, cache_hit_tokens=0) for v in views], r, P2C, random.Random(seed))
+    assert (pick is None) == (blind is None)
+    if pick is None or blind is None:
+        return
+    s = score(pick, r, CFG)
+    assert s is not None  # eligible: pool, ceiling with the request's own KV, long context
+    top = max(b for v in views if (b := score(v, r, CFG)) is not None)
+    assert placement.band_of(s) == placement.band_of(top)
+    band = [
+        v
+        for v in views
+        if (b := score(v, r, CFG)) is not None and placement.band_of(b) == placement.band_of(top)
+    ]
+    if not r.long_context and len(band) > 1 and any(v.cache_hit_tokens for v in band):
+        # the bound guards affinity; unmatched traffic takes the better of two, as P2C
+        assert pick.load() <= load_bound([v.load() for v in band], CFG) + 1e-12
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    loads=st.lists(st.floats(0.0, 0.8), min_size=2, max_size=10),
+    holder=st.integers(0, 9),
+    key=st.integers(0, 2**64 - 1),
+)
+def test_a_hot_prefix_spills_when_its_holder_passes_the_bound(
+    loads: list[float], holder: int, key: int
+) -> None:
+    holder %= len(loads)
+    views = [view(i, occ, 50_000 if i == holder else 0) for i, occ in enumerate(loads)]
+    pick = choose(views, req(key), CFG, random.Random(0))
+    bound = load_bound(loads, CFG)
+    assert pick is not None and pick.load() <= bound
+    if loads[holder] > bound:
+        assert pick.replica_id != f"r{holder}"
+    else:  # within the bound, 50,000 cached tokens (6.7 s at 0.25 s per unit) win
+        assert pick.replica_id == f"r{holder}"
+
+
+def test_the_saving_is_weighed_against_load() -> None:
+    # 8,000 tokens at 30k tok/s = 0.27 s saved > 0.25 s x 0.08 of extra load
+    views = [view(0, 0.30), view(1, 0.38, 8_000), view(2, 0.30)]
+    assert load_bound([0.30, 0.38, 0.30], CFG) > 0.38
+    assert choose(views, req(), CFG, random.Random(0)).replica_id == "r1"  # type: ignore[union-attr]
+    # 300 tokens = 0.01 s < 0.02 s: not worth the load
+    views = [view(0, 0.30), view(1, 0.38, 300), view(2, 0.30)]
+    assert choose(views, req(), CFG, random.Random(0)).replica_id != "r1"  # type: ignore[union-attr]
+    # the longer match wins at equal load
+    views = [view(0, 0.3, 1_000), view(1, 0.3, 8_000), view(2, 0.3)]
+    assert choose(views, req(), CFG, random.Random(0)).replica_id == "r1"  # type: ignore[union-attr]
+
+
+def test_a_ceiling_and_the_reserved_pool_win_over_any_hit() -> None:
+    full = view(0, 0.86, 500_000)  # above the standard ceiling
+    pool = view(1, 0.10, 500_000, pool="reserved")  # standard traffic never enters
+    other = view(2, 0.50)
+    for seed in range(20):
+        assert choose([full, pool, other], req(), CFG, random.Random(seed)) is other
+    # floor traffic: the reserved pool first even when a shared replica holds the prompt
+    shared_hit = view(3, 0.1, 500_000)
+    pool_cold = view(4, 0.5, pool="reserved")
+    pick = choose([shared_hit, pool_cold], req(cls="reserved"), CFG, random.Random(0))
+    assert pick is pool_cold
+
+
+def test_placement_of_a_new_prefix_is_the_same_in_every_process() -> None:
+    views = [view(i, 0.2 + 0.01 * i) for i in range(8)]
+    picks = {choose(views, req(12345), CFG, random.Random(s)).replica_id for s in range(20)}  # type: ignore[union-attr]
+    assert len(picks) == 1  # a function of the key and the fleet, not of a process's rng
+    even = [view(i, 0.2) for i in range(8)]
+    spread = Counter(
+        choose(even, req(key), CFG, random.Random(0)).replica_id  # type: ignore[union-attr]
+        for key in range(4000)
+    )
+    assert len(spread) == 8 and max(spread.values()) < 2 * 4000 / 8  # keys spread evenly
+    # of its key's two rendezvous choices, the less loaded: the busiest never gets one
+    assert "r7" not in {
+        choose(views, req(key), CFG, random.Random(0)).replica_id  # type: ignore[union-attr]
+        for key in range(500)
+    }
+
+
+@settings(max_examples=400, deadline=None)
+@given(fleets(), requests, st.integers(0, 2**32))
+def test_with_nothing_to_follow_cache_aware_is_p2c(
+    views: list[ReplicaView], r: PlacementRequest, seed: int
+) -> None:
+    """No replica holds any of the prompt, no client hint, no tenant replicas, new prefixes
+    not placed by rendezvous: the choice is P2C's own — the same replica from the same rng
+    draw, leaving the rng where P2C leaves it — whatever the fleet, class, request size,
+    queued prefill or long-context layout. So traffic without shared prefixes (the herd) is
+    routed as P2C routes it. (Placed by rendezvous instead it gets uniform, independent
+    pairs too, but not P2C's: tails that differ from P2C's by seed noise, see
+    bench/results/herd_seeds.md.)"""
+    cold = [replace(v, cache_hit_tokens=0, queued_prefill_tokens=seed % 50_000) for v in views]
+    assert r.prefix is not None
+    r = replace(r, prefix=replace(r.prefix, hinted=False))
+    ours, theirs = random.Random(seed), random.Random(seed)
+    assert choose(cold, r, CFG_EVENTS, ours) is choose(cold, r, P2C, theirs)
+    assert ours.getstate() == theirs.getstate()
+
+
+def test_a_hint_or_rendezvous_places_a_new_prefix_the_same_in_every_process() -> None:
+    views = [view(i, 0.2 + 0.01 * i) for i in range(8)]
+    for cfg, hinted in ((CFG, False), (CFG_EVENTS, True)):
+        picks = {
+            choose(views, req(12345, hinted=hinted), cfg, random.Random(s)).replica_id  # type: ignore[union-attr]
+            for s in range(20)
+        }
+        assert len(picks) == 1
+    # without either, each process draws as P2C does: not the same everywhere
+    picks = {choose(views, req(12345), CFG_EVENTS, random.Random(s)).replica_id for s in range(20)}  # type: ignore[union-attr]
+    assert len(picks) > 1
+
+
+def test_tenant_placement_keeps_a_tenants_new_prefixes_on_its_replicas() -> None:
+    cfg = AdmissionConfig(strategy="cache_aware", affinity_tenant_replicas=2)
+    views = [view(i, 0.2) for i in range(8)]
+    homes = {
+        choose(views, req(key, tenant=99), cfg, random.Random(0)).replica_id  # type: ignore[union-attr]
+        for key in range(500)
+    }
+    assert len(homes) == 2
+    # its home replicas past the bound: it spills rather than overloading them
+    loaded = [view(i, 0.8 if f"r{i}" in homes else 0.2) for i in range(8)]
+    spilled = choose(loaded, req(5, tenant=99), cfg, random.Random(0))
+    assert spilled is not None and spilled.replica_id not in homes
+
+
+def test_router_sends_a_conversations_next_turn_to_its_history_and_spreads_a_hot_prefix() -> None:
+    reg = Registry(4)
+    now = [1.0]
+    router = Router(reg, random.Random(3), config=CFG, clock=lambda: now[0])
+    reg.scrape(0.9, r0=0.1, r1=0.1, r2=0.1, r3=0.1)
+    salt = "s" * 64
+    system = {"role": "system", "content": " ".join(f"sys{i}" for i in range(400))}
+    turn1 = [system, {"role": "user", "content": "first question " * 20}]
+    q1 = make_query("t", turn1, salt, 16)
+    first = router.choose(VERSION, "standard", 1000, prefix=q1)
+    assert first is not None
+    router.on_dispatch(first, "a", 1000, prefix=q1)
+    router.on_first_token(first, "a")  # the turn's prefill is done before the next turn
+    turn2 = [*turn1, {"role": "assistant", "content": "answer " * 30}]
+    turn2.append({"role": "user", "content": "follow up " * 10})
+    q2 = make_query("t", turn2, salt, 16)
+    for _ in range(10):
+        second = router.choose(VERSION, "standard", 1000, prefix=q2)
+        assert second is not None and second.replica_id == first.replica_id
+    # the holder gets busy: the shared system prompt spills to a second replica, not a third
+    reg.scrape(1.0, **{first.replica_id: 0.6})
+    others: Counter[str] = Counter()
+    for n in range(20):
+        q = make_query("t", [system, {"role": "user", "content": f"q{n} " * 40}], salt, 16)
+        pick = router.choose(VERSION, "standard", 1000, prefix=q)
+        assert pick is not None and pick.replica_id != first.replica_id
+        router.on_dispatch(pick, f"h{n}", 1000, prefix=q)
+        router.on_first_token(pick, f"h{n}")
+        others[pick.replica_id] += 1
+    assert len(others) == 1  # the spill lands on one replica, which now caches the prompt
+
+
+def test_strategy_knobs_from_env() -> None:
+    cfg = AdmissionConfig.from_env(
+        {
+            "GATEWAY_ADMISSION_STRATEGY": "cache_aware",
+            "GATEWAY_ADMISSION_AFFINITY_LOAD_FACTOR": "1.5",
+            "GATEWAY_ADMISSION_AFFINITY_TENANT_REPLICAS": "4",
+        }
+    )
+    assert cfg.strategy == "cache_aware" and cfg.affinity_load_factor == 1.5
+    assert cfg.affinity_tenant_replicas == 4
+    with pytest.raises(ValueError, match="affinity_load_factor"):
+        AdmissionConfig(affinity_load_factor=0.5)
+    with pytest.raises(ValueError, match="affinity_tenant_replicas"):
+        AdmissionConfig(affinity_tenant_replicas=-1)
+
+
+def test_new_prefixes_go_by_rendezvous_unless_kv_events_feed_the_index() -> None:
+    events = {"GATEWAY_PREFIX_KV_EVENTS": "r0=tcp://127.0.0.1:5557"}
+    assert GatewayConfig.from_env({}).admission.affinity_rendezvous
+    assert not GatewayConfig.from_env(events).admission.affinity_rendezvous
+    forced = {**events, "GATEWAY_ADMISSION_AFFINITY_RENDEZVOUS": "1"}
+    assert GatewayConfig.from_env(forced).admission.affinity_rendezvous
+
+
+def test_the_router_counts_prefill_it_queued_until_the_first_token() -> None:
+    reg = Registry(2)
+    router = Router(reg, random.Random(3), config=CFG, clock=lambda: 1.0)
+    reg.scrape(0.9, r0=0.1, r1=0.1)
+    q = make_query("t", [{"role": "user", "content": "word " * 3000}], "s" * 64, 16)
+    pick = router.choose(VERSION, "standard", 1000, prefix=q)
+    assert pick is not None
+    router.on_dispatch(pick, "a", 1000, prefix=q)
+    views = router.with_hits(router.views(VERSION), q)
+    queued = {v.replica_id: v.queued_prefill_tokens for v in views}
+    assert queued[pick.replica_id] == q.prompt_tokens  # nothing was cached yet
+    assert sum(queued.values()) == q.prompt_tokens
+    router.on_first_token(pick, "a")
+    assert all(v.queued_prefill_tokens == 0 for v in router.with_hits(router.views(VERSION), q))
+    # the same prompt again: its expected hit is taken off the queued work
+    again = router.choose(VERSION, "standard", 1000, prefix=q)
+    assert again is not None and again.replica_id == pick.replica_id
+    router.on_dispatch(again, "b", 1000, prefix=q)
+    views = router.with_hits(router.views(VERSION), q)
+    held = len(q.block_hashes) * 16
+    assert {v.replica_id: v.queued_prefill_tokens for v in views}[pick.replica_id] == (
+        q.prompt_tokens - held
+    )
+    router.on_finish(again, "b")
+    assert not router.with_hits(router.views(VERSION), q)[0].queued_prefill_tokens
+
+
+def test_queued_prefill_counts_as_load() -> None:
+    """A replica holding the prompt but with seconds of prefill queued there (little KV yet)
+    loses to an idle one; the same replica with nothing queued wins."""
+    busy = ReplicaView("r0", "shared", 0.05, 0, CAP, cache_hit_tokens=4_000)
+    idle = view(1, 0.05)
+    assert choose([busy, idle], req(), CFG, random.Random(0)) is busy
+    # 2 s of prefill at 30k tok/s beyond the step budget that runs alongside
+    queued = replace(busy, queued_prefill_tokens=60_000 + CFG.affinity_queue_free_tokens)
+    assert choose([queued, idle], req(), CFG, random.Random(0)) is idle
+    s_busy, s_queued = score(busy, req(), CFG), score(queued, req(), CFG)
+    assert s_busy is not None and s_queued is not None and s_queued < s_busy
+    # up to one step's budget, queued prefill runs alongside: no penalty
+    within_step = replace(busy, queued_prefill_tokens=CFG.affinity_queue_free_tokens)
+    assert score(within_step, req(), CFG) == s_busy
+    # P2C never sees the term: the router fills it only under cache-aware routing
+    assert score(replace(idle, queued_prefill_tokens=0), req(), P2C) is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0.0, 0.84), st.integers(0, 200_000)), min_size=2, max_size=10),
+    st.integers(0, 2**64 - 1),
+)
+def test_without_a_match_queued_prefill_does_not_steer_placement(
+    replicas: list[tuple[float, int]], key: int
+) -> None:
+    """Nobody holds the prompt: every replica is scored as P2C scores it (its queued prompts
+    are in its optimistic in-flight KV already), and the pick is the less loaded of the
+    placement key's two rendezvous choices (no load bound: P2C has none), whatever prefill is
+    queued where. (Charged to every replica, 0.25 s of queued prefill weighed as a whole replica of
+    KV and steered the herd by queue length onto full replicas.)"""
+    views = [
+        ReplicaView(f"r{i}", "shared", occ, 0, CAP, queued_prefill_tokens=queued)
+        for i, (occ, queued) in enumerate(replicas)
+    ]
+    for v in views:
+        assert score(v, req(key), CFG) == score(v, req(key), P2C)
+    pick = choose(views, req(key), CFG, random.Random(0))
+    assert pick is not None
+    first_two = routing.rendezvous_order(key, views)[:2]  # unbounded, as P2C's pair
+    assert pick in first_two and pick.load() == min(v.load() for v in first_two)
+    unqueued = [replace(v, queued_prefill_tokens=0) for v in views]
+    assert choose(unqueued, req(key), CFG, random.Random(0)).replica_id == pick.replica_id  # type: ignore[union-attr]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.floats(0.0, 0.84),
+    st.integers(0, 200_000),
+    st.integers(0, 400_000),
+    st.integers(0, 2**64 - 1),
+)
+def test_a_hit_is_discounted_by_its_queue_and_never_worth_less_than_none(
+    occ: float, hit: int, queued: int, key: int
+) -> None:
+    """Holding the prefix is worth the prefill it saves less the wait behind the prefill
+    queued there, never below zero: a holder never scores below itself without the hit."""
+    holder = ReplicaView("r0", "shared", occ, 0, CAP, cache_hit_tokens=hit)
+    busy = replace(holder, queued_prefill_tokens=queued)
+    cold = replace(busy, cache_hit_tokens=0)
+    s_hit, s_busy, s_cold = (score(v, req(key), CFG) for v in (holder, busy, cold))
+    assert s_hit is not None and s_busy is not None and s_cold is not None
+    assert s_cold <= s_busy <= s_hit
+    assert s_cold == -occ

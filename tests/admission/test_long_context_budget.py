@@ -1,0 +1,378 @@
+"""The fleet's long-context budget: the pure rule
+(gateway.admission.long_context.long_context_admits, max-min fair share) property-tested, and
+the admit script in gateway/admission/quota.py against a real Redis, checked decision by
+decision against the pure rule."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.admission import long_context
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.quota import Grant, Limiter, LongContextAsk, QuotaRequest, long_context_tag
+from tests.admission.test_limits import BASE as QUOTA_BASE
+
+GIB = 1 << 30
+BUDGET = 100 * GIB
+ASK = LongContextAsk(
+    cls="standard",
+    kv_bytes=10 * GIB,
+    budget_bytes=BUDGET,
+    prefill_slots=100,
+    prefill_ms=60_000,
+    demand_window_ms=60_000,
+)
+BASE = replace(QUOTA_BASE, expected_ms=30_000, long=ASK)  # the admit tests' request, long
+
+
+def q(
+    tenant: str, gib: int = 10, prefill_slots: int = 100, prefill_ms: int = 60_000
+) -> QuotaRequest:
+    ask = replace(ASK, kv_bytes=gib * GIB, prefill_slots=prefill_slots, prefill_ms=prefill_ms)
+    return replace(BASE, tenant_id=tenant, long=ask)
+
+
+# -- the pure rule -------------------------------------------------------------------------
+
+
+def test_fair_level_is_water_filling() -> None:
+    assert long_context.fair_level(100, {}, [], "a") == 100  # alone: the whole budget
+    assert long_context.fair_level(100, {"a": 80}, ["b"], "a") == 50  # b waits: half each
+    # c holds 10 and is not asking for more: a and b share the rest
+    assert long_context.fair_level(100, {"a": 60, "c": 10}, ["b"], "a") == 45
+    # c holds 70 (more than half, nobody asked for it back): a's level is half, and the
+    # budget's total is what stops a at 30 until c's requests end
+    assert long_context.fair_level(100, {"a": 10, "c": 70}, [], "a") == 50
+    assert not long_context.long_context_admits(
+        tenant="a",
+        need=21,
+        budget=100,
+        slots=9,
+        usage={"a": 10, "c": 70},
+        prefilling=0,
+        waiting=[],
+    )
+
+
+@given(
+    st.dictionaries(st.sampled_from("abcdef"), st.integers(1, 100), max_size=6),
+    st.sets(st.sampled_from("abcdef")),
+    st.sampled_from("abcdef"),
+    st.integers(1, 400),
+)
+def test_fair_level_shares_exactly_the_budget(
+    usage: dict[str, int], waiting: set[str], tenant: str, budget: int
+) -> None:
+    level = long_context.fair_level(budget, usage, waiting, tenant)
+    wanting = {tenant} | waiting
+    demand = {w: float("inf") for w in wanting}
+    demand |= {who: u for who, u in usage.items() if who not in wanting}
+    filled = sum(min(d, level) for d in demand.values())
+    assert level >= 0
+    # either the level spreads the whole budget, or every demand is met below it
+    assert filled == pytest.approx(budget) or all(d <= level for d in demand.values())
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.integers(2, 5), st.integers(1, 12), st.integers(0, 2**16))
+def test_heavy_tenants_converge_to_equal_shares(n: int, per_budget: int, seed: int) -> None:
+    """n tenants that always ask (closed loop, one request = 1 unit); leases end in random
+    order. A tenant under its share that is not waiting lets others borrow (work
+    conserving, nothing preempted), so a momentary holding may exceed the equal share; but
+    no one is admitted past its fair level while another waits, and over the run every
+    tenant is admitted about equally often."""
+    import random
+
+    rng = random.Random(seed)
+    budget = n * per_budget
+    usage: dict[str, int] = {}
+    waiting: set[str] = set()
+    leases: list[str] = []
+    tenants = [f"t{i}" for i in range(n)]
+    admitted = dict.fromkeys(tenants, 0)
+    for _ in range(600):
+        order = tenants[:]
+        rng.shuffle(order)
+        for t in order:  # every heavy tenant asks again each round (its client retries)
+            ok = long_context.long_context_admits(
+                tenant=t,
+                need=1,
+                budget=budget,
+                slots=budget,
+                usage=usage,
+                prefilling=0,
+                waiting=waiting,
+            )
+            if ok:
+                others_wait = bool(waiting - {t})
+                if usage.get(t, 0) > 0 and others_wait:
+                    assert usage[t] + 1 <= long_context.fair_level(budget, usage, waiting, t)
+                usage[t] = usage.get(t, 0) + 1
+                leases.append(t)
+                waiting.discard(t)
+                admitted[t] += 1
+            else:
+                waiting.add(t)
+        if leases:  # one lease ends, any of them
+            done = leases.pop(rng.randrange(len(leases)))
+            usage[done] -= 1
+            if usage[done] == 0:
+                del usage[done]
+        assert sum(usage.values()) <= budget
+    # random lease ends make the counts noisy; the platform's own target is within 2x
+    assert max(admitted.values()) <= 2 * min(admitted.values())
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.integers(2, 6), st.integers(0, 2**16), st.booleans())
+def test_one_prefill_slot_is_taken_in_turns(n: int, seed: int, fixed_order: bool) -> None:
+    """The budget runs one long prefill at a time (one designated replica) and n heavy
+    tenants keep asking (every round, in random order — or always in the same order, the
+    worst case for a first-come rule: t0 would win every freed slot). Each prefill ends in
+    a random later round. With the least-recently-served rule they take turns: the served
+    counts never differ by more than one."""
+    import random
+
+    rng = random.Random(seed)
+    tenants = [f"t{i}" for i in range(n)]
+    admitted = dict.fromkeys(tenants, 0)
+    served: dict[str, int] = {}
+    waiting: set[str] = set()
+    holder: str | None = None
+    clock = 0
+    for _ in range(30 * n):
+        if holder is not None and rng.random() < 0.3:  # the prefill ends (its KV too)
+            holder = None
+        order = tenants[:]
+        if not fixed_order:
+            rng.shuffle(order)
+        for t in order:
+            clock += 1
+            ok = long_context.long_context_admits(
+                tenant=t,
+                need=1,
+                budget=10,
+                slots=1,
+                usage={holder: 1} if holder else {},
+                prefilling=1 if holder else 0,
+                waiting=waiting,
+                served=served,
+            )
+            if ok:
+                assert holder is None
+                holder = t
+                served[t] = clock
+                admitted[t] += 1
+                waiting.discard(t)
+            else:
+                waiting.add(t)
+        assert max(admitted.values()) - min(admitted.values()) <= 1
+    assert min(admitted.values()) >= 1
+
+
+def test_a_lone_tenant_never_yields_and_the_least_recently_served_goes_first() -> None:
+    yields = long_context.yields_to_waiting
+    assert not yields("a", [], {"a": 5})  # alone: the whole budget
+    assert not yields("a", ["a"], {"a": 5})
+    assert yields("a", ["b"], {"a": 5})  # b never served, waiting: b first
+    assert yields("a", ["b"], {"a": 5, "b": 3})
+    assert not yields("b", ["a"], {"a": 5, "b": 3})  # b served longer ago: b goes
+    assert not yields("a", ["b"], {})  # neither served yet: first come
+    # a free slot is left for the waiting tenant served longest ago
+    assert not long_context.long_context_admits(
+        tenant="a", need=1, budget=10, slots=1, usage={}, prefilling=0, waiting=["b"],
+        served={"a": 5, "b": 3},
+    )  # fmt: skip
+
+
+# -- the admit script against Redis ----------------------------------------------------------
+
+
+async def test_a_lone_heavy_tenant_may_use_the_whole_budget(aredis: aioredis.Redis) -> None:
+    lim = Limiter(aredis, AdmissionConfig())
+    got = [await lim.admit(q("a")) for _ in range(11)]
+    assert [d.admitted for d in got] == [True] * 10 + [False]
+    assert got[9].long_inflight_bytes == BUDGET
+    refused = got[10]
+    assert refused.long_context_full and refused.layer is None and not refused.retry_storm
+    assert refused.frees_in_ms >= 1000  # when the first lease is expected to end
+
+
+async def test_a_second_tenant_gets_half_as_the_first_one_drains(aredis: aioredis.Redis) -> None:
+    lim = Limiter(aredis, AdmissionConfig())
+    a_grants = [(await lim.admit(q("a"))).grant for _ in range(10)]
+    assert not (await lim.admit(q("b"))).admitted  # full: b now waits
+    for g in a_grants[:5]:  # half of a's requests finish
+        assert g is not None
+        await lim.settle(g, actual_tokens=0, refund_request=False)
+    # a holds 50, b waits: a may not grow past its fair half, b fills the freed half
+    assert not (await lim.admit(q("a"))).admitted
+    b = [await lim.admit(q("b")) for _ in range(6)]
+    assert [d.admitted for d in b] == [True] * 5 + [False]
+    ledger = await aredis.hgetall(f"{long_context_tag('fam-v1')}:l")
+    assert int(ledger[b"u:a"]) == int(ledger[b"u:b"]) == 50 * GIB
+
+
+async def test_the_freed_slot_goes_to_the_tenant_that_waited(aredis: aioredis.Redis) -> None:
+    lim = Limiter(aredis, AdmissionConfig())
+    first = await lim.admit(q("a", gib=1, prefill_slots=1, prefill_ms=1))
+    assert first.admitted and first.grant is not None
+    await asyncio.sleep(0.01)
+    # a second prefill of a's while b has not asked: a lone tenant uses the whole budget
+    again = await lim.admit(q("a", gib=1, prefill_slots=1, prefill_ms=200))
+    assert again.admitted and again.grant is not None
+    refused = await lim.admit(q("b", gib=1, prefill_slots=1, prefill_ms=1))  # slot busy
+    assert not refused.admitted and refused.long_context_full
+    await asyncio.sleep(0.25)  # a's prefill ends: the slot is free
+    mine = await lim.admit(q("a", gib=1, prefill_slots=1, prefill_ms=1))
+    assert not mine.admitted and mine.long_context_full  # b waited and was served less
+    assert mine.frees_in_ms >= 1000
+    assert (await lim.admit(q("b", gib=1, prefill_slots=1, prefill_ms=1))).admitted
+
+
+async def test_a_lease_that_never_ran_does_not_count_as_served(aredis: aioredis.Redis) -> None:
+    """Refused for capacity after the budget admitted it (or failed before producing
+    anything): the tenant's last admission goes back and it counts as waiting, so a tenant
+    that was served does not take the next turn from it."""
+    lim = Limiter(aredis, AdmissionConfig())
+    tag = long_context_tag("fam-v1")
+    served_a = await lim.admit(q("a", gib=1))
+    assert served_a.grant is not None
+    await lim.settle(served_a.grant, actual_tokens=5, refund_request=False)
+    before = await aredis.hget(f"{tag}:l", "s:a")
+    assert before is not None  # a ran: its admission stays recorded
+    await asyncio.sleep(0.01)
+    b = await lim.admit(q("b", gib=1))
+    assert b.grant is not None and await aredis.hget(f"{tag}:l", "s:b") is not None
+    await lim.settle(b.grant, actual_tokens=0, refund_request=True)  # b never ran
+    assert await aredis.hget(f"{tag}:l", "s:b") is None  # never served, as before
+    assert await aredis.zscore(f"{tag}:w", "b") is not None  # and waiting
+    assert not [k for k in await aredis.hkeys(f"{tag}:l") if _text(k).startswith("p:")]
+    # a asks with b waiting and never served: b's turn
+    a_again = await lim.admit(q("a", gib=1))
+    assert not a_again.admitted and a_again.long_context_full
+    assert (await lim.admit(q("b", gib=1))).admitted
+    again = await lim.admit(q("a", gib=1))  # b is served now: a's turn again
+    assert again.admitted and again.grant is not None
+    await lim.settle(again.grant, actual_tokens=0, refund_request=True)
+    assert await aredis.hget(f"{tag}:l", "s:a") == before  # back to its earlier admission
+
+
+async def test_concurrent_long_prefills_are_bounded(aredis: aioredis.Redis) -> None:
+    lim = Limiter(aredis, AdmissionConfig())
+    first = await lim.admit(q("a", gib=1, prefill_slots=2))
+    second = await lim.admit(q("b", gib=1, prefill_slots=2))
+    third = await lim.admit(q("c", gib=1, prefill_slots=2))
+    assert first.admitted and second.admitted and not third.admitted
+    assert third.long_context_full
+    # prefill done (its expected end passed): the slot frees, the KV stays charged
+    done = await lim.admit(q("d", gib=1, prefill_slots=1, prefill_ms=1))
+    assert not done.admitted  # slots=1 and two are still prefilling
+
+
+async def test_expired_prefills_free_their_slot(aredis: aioredis.Redis) -> None:
+    lim = Limiter(aredis, AdmissionConfig())
+    assert (await lim.admit(q("a", gib=1, prefill_slots=1, prefill_ms=1))).admitted
+    await asyncio.sleep(0.01)  # the store's clock must pass the 1 ms prefill
+    second = await lim.admit(q("b", gib=1, prefill_slots=1, prefill_ms=1))
+    assert second.admitted and second.long_inflight_bytes == 2 * GIB
+
+
+async def test_settle_and_reclaim_return_the_budget(aredis: aioredis.Redis) -> None:
+    cfg = AdmissionConfig(lease_ttl_s=0.3, lease_renew_s=0.1)
+    lim = Limiter(aredis, cfg)
+    held = await lim.admit(q("a", gib=60))
+    assert held.grant is not None
+    await lim.settle(held.grant, actual_tokens=0, refund_request=False)
+    after = await lim.admit(q("a", gib=60))
+    assert after.admitted and after.long_inflight_bytes == 60 * GIB
+    # never renewed: reclaimed by a later admission once its lease ran out
+    await asyncio.sleep(0.4)
+    fresh = await lim.admit(q("b", gib=90))
+    assert fresh.admitted and fresh.long_inflight_bytes == 90 * GIB
+
+
+async def test_renewal_keeps_the_long_lease(aredis: aioredis.Redis) -> None:
+    cfg = AdmissionConfig(lease_ttl_s=0.5, lease_renew_s=0.2)
+    lim = Limiter(aredis, cfg)
+    held = await lim.admit(q("a", gib=60))
+    assert held.grant is not None
+    for _ in range(4):
+        await asyncio.sleep(0.2)
+        await lim.renew([held.grant])
+    later = await lim.admit(q("b", gib=60))
+    assert not later.admitted and later.long_context_full  # still held after 0.8 s
+
+
+async def test_a_short_request_reads_the_ledger_without_claiming(aredis: aioredis.Redis) -> None:
+    lim = Limiter(aredis, AdmissionConfig())
+    await lim.admit(q("a", gib=30))
+    short = await lim.admit(replace(BASE, tenant_id="s", long=None, read_long=True))
+    assert short.admitted and short.long_inflight_bytes == 30 * GIB
+    plain = await lim.admit(replace(BASE, tenant_id="s", long=None))
+    assert plain.long_inflight_bytes == -1
+
+
+def _text(k: bytes | str) -> str:
+    return k.decode() if isinstance(k, bytes) else k
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("abcd"), st.integers(1, 40), st.booleans()),
+        min_size=1,
+        max_size=40,
+    )
+)
+async def test_script_decides_as_the_pure_rule(
+    aredis: aioredis.Redis, ops: list[tuple[str, int, bool]]
+) -> None:
+    """Any sequence of asks and settles: the script admits exactly what
+    ``long_context.long_context_admits`` admits on the same ledger."""
+    await aredis.delete(*(f"{long_context_tag('fam-v1')}:{s}" for s in "lew"))
+    lim = Limiter(aredis, AdmissionConfig())
+    usage: dict[str, int] = {}
+    waiting: set[str] = set()
+    grants: list[tuple[str, int, Grant]] = []
+    for tenant, gib, settle_one in ops:
+        # each tenant's last admission as the script recorded it (the store's clock)
+        ledger = await aredis.hgetall(f"{long_context_tag('fam-v1')}:l")
+        raw = {_text(k): _text(v) for k, v in ledger.items()}
+        served = {k[2:]: int(v) for k, v in raw.items() if k.startswith("s:")}
+        expect = long_context.long_context_admits(
+            tenant=tenant,
+            need=gib * GIB,
+            budget=BUDGET,
+            slots=ASK.prefill_slots,
+            usage=usage,
+            prefilling=len(grants),
+            waiting=waiting,
+            served=served,
+        )
+        d = await lim.admit(q(tenant, gib))
+        assert d.admitted == expect
+        if d.admitted:
+            assert d.grant is not None
+            grants.append((tenant, gib, d.grant))
+            usage[tenant] = usage.get(tenant, 0) + gib * GIB
+            waiting.discard(tenant)
+        else:
+            waiting.add(tenant)
+        if settle_one and grants:
+            who, g, grant = grants.pop(0)
+            await lim.settle(grant, actual_tokens=0, refund_request=False)
+            usage[who] -= g * GIB
+            if not usage[who]:
+                del usage[who]
+    await lim.aclose()

@@ -1,0 +1,222 @@
+"""The one scoring function of replica choice (gateway/admission/placement.py), property-tested:
+ceilings, the reserved pool and long-context placement always win over every other term."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from contracts import schema
+from gateway.admission import classes, config, estimates, long_context, placement
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.placement import PlacementRequest, choose, score
+from gateway.admission.routing import ReplicaView
+from tests.admission.test_router import VERSION, make
+
+CFG = AdmissionConfig()
+CAP = 1_000_000
+CLASSES = ("reserved", "standard", "best_effort")
+
+
+@st.composite
+def fleets(draw: st.DrawFn) -> list[ReplicaView]:
+    n = draw(st.integers(1, 8))
+    designated = draw(st.integers(0, n))
+    out = []
+    shared_rank = 0
+    for i in range(n):
+        pool = draw(st.sampled_from(["shared", "shared", "reserved"]))
+        rank = -1
+        if pool == "shared":
+            rank, shared_rank = shared_rank, shared_rank + 1
+        out.append(
+            ReplicaView(
+                f"r{i}",
+                pool,
+                draw(st.floats(0, 1.0)),
+                draw(st.integers(0, CAP // 2)),
+                CAP,
+                long_rank=rank,
+                long_designated=designated,
+                hosts_long=draw(st.booleans()),
+                cache_hit_tokens=draw(st.integers(0, 50_000)),
+                long_floor=draw(st.sampled_from([0.0, 0.0, 0.3, 0.9])),
+            )
+        )
+    return out
+
+
+requests = st.builds(
+    PlacementRequest,
+    st.sampled_from(CLASSES),
+    st.integers(0, CAP),
+    st.booleans(),
+    st.integers(0, 100),
+    growth_bytes=st.integers(0, CAP // 2),
+)
+
+
+def allowed(v: ReplicaView, r: PlacementRequest, cfg: AdmissionConfig = CFG) -> bool:
+    """The hard rules, written out independently of the scoring function."""
+    # a long context's expected output growth is reserved with its prompt
+    load = v.load() + (r.kv_bytes + (r.growth_bytes if r.long_context else 0)) / v.capacity_bytes
+    ceiling = classes.occupancy_ceiling(r.cls, cfg)
+    if v.pool == "reserved" and r.cls != "reserved":
+        return False
+    if not (load <= ceiling if r.cls == "reserved" else load < ceiling):
+        return False
+    if r.long_context and v.pool != "reserved":
+        return 0 <= v.long_rank < v.long_designated
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleets(), requests, st.integers(0, 2**32))
+def test_choice_is_eligible_and_none_only_when_nothing_is(
+    views: list[ReplicaView], req: PlacementRequest, seed: int
+) -> None:
+    for v in views:
+        assert (score(v, req, CFG) is not None) == allowed(v, req)
+    pick = choose(views, req, CFG, random.Random(seed))
+    if pick is None:
+        assert not any(allowed(v, req) for v in views)
+    else:
+        assert allowed(pick, req)
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleets(), requests, st.integers(0, 2**32))
+def test_affinity_never_overrides_a_rule(
+    views: list[ReplicaView], req: PlacementRequest, seed: int
+) -> None:
+    """Whatever the expected cache hits, the pick is in the same band as without them."""
+    blind = [replace(v, cache_hit_tokens=0) for v in views]
+    with_hits = choose(views, req, CFG, random.Random(seed))
+    without = choose(blind, req, CFG, random.Random(seed))
+    assert (with_hits is None) == (without is None)
+    if with_hits is not None and without is not None:
+        s1 = score(with_hits, req, CFG)
+        s0 = score(replace(without, cache_hit_tokens=0), req, CFG)
+        assert s1 is not None and s0 is not None
+        assert placement.band_of(s1) == placement.band_of(s0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(fleets(), st.integers(0, CAP // 10), st.integers(0, 2**32))
+def test_reserved_floor_traffic_uses_the_pool_first(
+    views: list[ReplicaView], kv: int, seed: int
+) -> None:
+    req = PlacementRequest("reserved", kv)
+    pick = choose(views, req, CFG, random.Random(seed))
+    pool_ok = [v for v in views if v.pool == "reserved" and allowed(v, req)]
+    if pool_ok:
+        assert pick is not None and pick.pool == "reserved"
+
+
+@settings(max_examples=200, deadline=None)
+@given(fleets(), st.integers(0, CAP // 4), st.integers(0, 2**32))
+def test_long_contexts_pack_onto_the_lowest_ranked_replica_with_room(
+    views: list[ReplicaView], kv: int, seed: int
+) -> None:
+    req = PlacementRequest("standard", kv, long_context=True)
+    pick = choose(views, req, CFG, random.Random(seed))
+    ok = [v for v in views if allowed(v, req)]
+    if ok:
+        assert pick is not None and pick.long_rank == min(v.long_rank for v in ok)
+
+
+@settings(max_examples=200, deadline=None)
+@given(fleets(), st.integers(0, CAP // 100), st.integers(0, 2**32))
+def test_short_traffic_keeps_off_long_context_replicas_while_it_has_room(
+    views: list[ReplicaView], kv: int, seed: int
+) -> None:
+    req = PlacementRequest("standard", kv)
+    pick = choose(views, req, CFG, random.Random(seed))
+    free = [v for v in views if allowed(v, req) and not v.hosts_long]
+    if free:
+        assert pick is not None and not pick.hosts_long
+
+
+def test_the_request_own_kv_counts_against_the_ceiling() -> None:
+    v = ReplicaView("a", "shared", 0.50, 0, CAP)
+    assert score(v, PlacementRequest("standard", CAP // 10), CFG) is not None  # 0.60
+    assert score(v, PlacementRequest("standard", CAP * 4 // 10), CFG) is None  # 0.90
+    old = AdmissionConfig(count_request_kv=False)
+    assert score(v, PlacementRequest("standard", CAP * 4 // 10), old) is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.floats(0.0, 0.85),
+    st.integers(0, CAP // 2),
+    st.integers(0, CAP // 2),
+    st.sampled_from(CLASSES[1:]),
+)
+def test_a_long_context_reserves_its_output_growth_against_the_ceiling(
+    occ: float, kv: int, growth: int, cls: config.EffectiveClass
+) -> None:
+    """A long context fits only if its prompt and its expected decode KV both fit under
+    the ceiling; a short request's ceiling check is its prompt alone."""
+    v = ReplicaView("a", "shared", occ, 0, CAP, long_rank=0, long_designated=1)
+    ceiling = classes.occupancy_ceiling(cls, CFG)
+    long_req = PlacementRequest(cls, kv, long_context=True, growth_bytes=growth)
+    assert (score(v, long_req, CFG) is not None) == (occ + (kv + growth) / CAP < ceiling)
+    short = PlacementRequest(cls, kv, growth_bytes=growth)
+    assert (score(v, short, CFG) is not None) == (occ + kv / CAP < ceiling)
+
+
+def test_the_router_keeps_a_long_contexts_growth_reserved_until_it_finishes() -> None:
+    router, reg, _ = make(2)
+    reg.scrape(0.95, r0=0.10, r1=0.10)
+    capacity = VERSION.kv_capacity_tokens * VERSION.kv_bytes_per_token
+    growth = capacity // 10
+    rec = router.choose(VERSION, "standard", 1000, long_context=True, growth_bytes=growth)
+    assert rec is not None
+    router.on_dispatch(rec, "long", 1000, long_context=True, growth_bytes=growth)
+    router.on_first_token(rec, "long")
+    loads = {v.replica_id: v.load() for v in router.views(VERSION)}
+    # prefilled (its prompt is the scrape's from here on) but its decode KV is still to come
+    assert loads[rec.replica_id] >= 0.10 + 0.1 - 1e-9
+    router.on_finish(rec, "long")
+    assert {v.replica_id: v.load() for v in router.views(VERSION)}[rec.replica_id] < 0.11
+
+
+def test_plain_p2c_when_context_placement_is_off() -> None:
+    off = AdmissionConfig(context_placement=False)
+    views = [
+        ReplicaView("a", "shared", 0.1, 0, CAP, long_rank=5, long_designated=1),
+        ReplicaView("b", "shared", 0.2, 0, CAP, long_rank=0, long_designated=1, hosts_long=True),
+    ]
+    req = PlacementRequest("standard", 10, long_context=True)
+    assert choose(views, req, off, random.Random(0)) is views[0]  # the emptier: no packing
+    assert choose(views, req, CFG, random.Random(0)) is views[1]  # the designated replica
+
+
+@given(st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=12, unique=True))
+def test_long_context_order_is_the_same_in_every_process(ids: list[str]) -> None:
+    order = placement.long_context_order("v1", ids)
+    assert sorted(order) == sorted(ids)
+    assert placement.long_context_order("v1", list(reversed(ids))) == order
+    # a replica leaving keeps the others' relative order (rendezvous hashing)
+    if len(ids) > 1:
+        gone = ids[0]
+        rest = placement.long_context_order("v1", ids[1:])
+        assert rest == [r for r in order if r != gone]
+
+
+def test_thresholds_follow_the_replica_profile() -> None:
+    v = schema.ModelVersionRecord(
+        "v", "f", 131_072, 327_680, 40, 560_000, prefill_tokens_per_s=10_000, ttft_target_ms=1000
+    )
+    assert estimates.long_context_threshold(v) == 10_000  # a prefill of one TTFT target
+    assert estimates.prefill_seconds(128_000, v) == 12.8
+    faster = replace(v, prefill_tokens_per_s=28_000)
+    assert estimates.long_context_threshold(faster) == 28_000
+    unknown = replace(v, prefill_tokens_per_s=0.0)  # not pushed: nothing is a long context
+    assert estimates.long_context_threshold(unknown) > 10**15
+    kv, slots = long_context.long_context_budget(v, 8, "standard", CFG)
+    assert slots == 2 and kv == int(2 * 560_000 * 327_680 * 0.85)
+    assert long_context.long_context_budget(v, 1, "standard", CFG)[1] == 1  # a lone replica
