@@ -5,12 +5,13 @@
 request's ``cache_salt`` (the gateway sets it per tenant), so two tenants never share a chain
 and an index keyed by these hashes can never match across tenants. ``prompt_token_ids`` and
 ``block_hashes`` reproduce the replicas' computation exactly: the chat template and tokenizer
-rules and the chain hash of the emulated fleet (``emulator.tokenizer``, ``emulator.kv``;
-imported, not copied, so they cannot drift). Only the blocks a replica can serve from cache
+rules and the chain hash of the emulated fleet (``contracts.tokenizer``,
+``contracts.blockhash``, which the emulator imports too: shared, not copied, so they cannot
+drift; the gateway never imports the emulator). Only the blocks a replica can serve from cache
 count: vLLM recomputes at least the prompt's last token, so ``(n - 1) // block_size``
 blocks.
 
-The hash scheme is selectable (``emulator.kv.get_hasher``; ``GATEWAY_PREFIX_HASH``, and
+The hash scheme is selectable (``contracts.blockhash.get_hasher``; ``GATEWAY_PREFIX_HASH``, and
 the replica's ``--prefix-caching-hash-algo``): the emulator's chain hash by default, or vLLM
 v1's ``sha256``/``sha256_cbor`` construction seeded by the replicas' ``PYTHONHASHSEED``
 (``GATEWAY_PREFIX_HASH_SEED``). The index keys on the low 64 bits (``& MASK64``) of either,
@@ -48,8 +49,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from emulator.kv import EMULATOR_HASHER, BlockHasher, salt_key
-from emulator.tokenizer import Tokenizer
+from contracts.blockhash import EMULATOR_HASHER, BlockHasher, salt_key
+from contracts.tokenizer import PromptTokenizer
 
 log = logging.getLogger("gateway.prefix")
 
@@ -74,7 +75,7 @@ class PrefixQuery:
 
 
 # One per process: its word cache is bounded by the tokenizer itself.
-_TOKENIZER = Tokenizer()
+_TOKENIZER = PromptTokenizer()
 
 
 def prompt_token_ids(messages: Sequence[Mapping[str, str]], limit: int | None = None) -> list[int]:
