@@ -51,9 +51,11 @@ def chain_hashes(
     parent: int,
     first_extra: int,
     out: list[int],
+    end_block: int | None = None,
 ) -> None:
-    """Append hashes of full blocks ``start_block..`` of ``token_ids`` to ``out``."""
-    num_full = len(token_ids) // block_size
+    """Append hashes of full blocks ``start_block..`` of ``token_ids`` to ``out`` (up to
+    ``end_block``, excluded, when given: no need to slice a long prompt)."""
+    num_full = len(token_ids) // block_size if end_block is None else end_block
     for index in range(start_block, num_full):
         tokens = tuple(token_ids[index * block_size : (index + 1) * block_size])
         # 0, not None, for "no extra key": before Python 3.12 hash(None) is the object's
@@ -145,7 +147,8 @@ def _cbor_sha256(obj: object) -> bytes:
 class BlockHasher:
     """One prefix-cache hash scheme: ``first_extra(salt)`` is the first block's extra key for
     a request's cache salt, ``chain`` appends the hashes of full blocks ``start_block..`` of
-    ``token_ids`` to ``out`` (``parent``: the previous block's hash, 0 for none).
+    ``token_ids`` to ``out`` (``parent``: the previous block's hash, 0 for none; up to
+    ``end_block``, excluded, when given, which must be a full block of ``token_ids``).
 
     Without ``serialize``, the emulator's chain hash. With it, vLLM v1's construction (see the
     module doc): ``serialize`` is pickle or canonical CBOR then SHA-256, ``seed`` the
@@ -176,13 +179,15 @@ class BlockHasher:
         parent: int,
         first_extra: Hashable,
         out: list[int],
+        end_block: int | None = None,
     ) -> None:
         h = self._hash
         if h is None:
-            chain_hashes(token_ids, block_size, start_block, parent, first_extra, out)  # type: ignore[arg-type]
+            chain_hashes(token_ids, block_size, start_block, parent, first_extra, out, end_block)  # type: ignore[arg-type]
             return
         digest = self.none_hash if start_block == 0 or not parent else parent.to_bytes(32, "big")
-        for index in range(start_block, len(token_ids) // block_size):
+        end = len(token_ids) // block_size if end_block is None else end_block
+        for index in range(start_block, end):
             tokens = tuple(token_ids[index * block_size : (index + 1) * block_size])
             digest = h((digest, tokens, first_extra if index == 0 else None))
             out.append(int.from_bytes(digest, "big"))

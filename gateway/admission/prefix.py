@@ -34,7 +34,8 @@ LRU order with a last-seen time. Two writers:
   replica actually stored and evicted, for every gateway process alike.
 
 ``match`` walks the request's chain once per replica and stops at the first unknown block,
-as the replica's own lookup does.
+as the replica's own lookup does; ``match_query`` walks a lazy ``PrefixQuery`` block by block
+across the replicas and stops at the first block none of them holds, hashing no further.
 """
 
 from __future__ import annotations
@@ -148,9 +149,8 @@ class PrefixQuery:
             return None
         have = len(hashes)
         end = min(usable, max(index + 1, 2 * have))
-        bs = self.block_size
         self._hasher.chain(
-            self._tokens[: end * bs], bs, have, hashes[-1] if have else 0, self._extra, hashes
+            self._tokens, self.block_size, have, hashes[-1] if have else 0, self._extra, hashes, end
         )
         return hashes[index]
 
@@ -397,16 +397,24 @@ class PrefixIndex:
                 self._expire(held, now)
                 if held:
                     live.append((rid, held))
+        # In chunks of what the query has hashed (it hashes ahead in doubling steps):
+        # each replica still matching walks the chunk, as ``match`` walks the chain.
+        hashes = query.known_hashes()
         index = 0
         while live:
-            h = query.hash_at(index)
-            if h is None:
+            if index >= len(hashes) and query.hash_at(index) is None:
                 break
-            h &= MASK64
-            live = [(rid, held) for rid, held in live if h in held]
-            for rid, _ in live:
-                out[rid] += 1
-            index += 1
+            end = len(hashes)
+            still = []
+            for rid, held in live:
+                n = index
+                while n < end and hashes[n] & MASK64 in held:
+                    n += 1
+                out[rid] = n
+                if n == end:
+                    still.append((rid, held))
+            live = still
+            index = end
         return out
 
     def apply_events(self, replica_id: str, events: Sequence[Mapping[str, Any]]) -> None:

@@ -170,9 +170,19 @@ class Router:
             self._order[version] = cached
         return cached
 
-    def views(self, version: schema.ModelVersionRecord) -> list[ReplicaView]:
+    def views(
+        self, version: schema.ModelVersionRecord, prefix: PrefixQuery | None = None
+    ) -> list[ReplicaView]:
+        """The version's routable replicas as the router sees them; with ``prefix``, with
+        what ``with_hits`` adds, filled in as each view is built (``dataclasses.replace``
+        per view was most of cache-aware routing's cost on a prompt nobody holds)."""
         capacity = version.kv_capacity_tokens * version.kv_bytes_per_token
         states = self._registry.states(version.version)
+        blocks: dict[str, int] = {}
+        if prefix is not None:
+            blocks = self.index.match_query(
+                prefix, [s.replica_id for s in states if s.healthy and s.scraped_at > 0]
+            )
         # Per request: the order, ranks and designated count come from the cache.
         _, _, rank, designated = self._layout(version.version, states)
         fleet = self._fleet_long.get(version.version)
@@ -186,6 +196,11 @@ class Router:
             if not s.healthy or s.scraped_at <= 0:
                 continue
             r = rank.get(s.replica_id, -1)
+            hit = queued = 0
+            if prefix is not None:
+                hit = blocks[s.replica_id] * prefix.block_size
+                pending = self._queued.get(s.replica_id)
+                queued = sum(pending.values()) if pending else 0
             out.append(
                 ReplicaView(
                     s.replica_id,
@@ -201,6 +216,8 @@ class Router:
                         if 0 <= r < designated and capacity > 0
                         else 0.0
                     ),
+                    cache_hit_tokens=hit,
+                    queued_prefill_tokens=queued,
                 )
             )
         return out
@@ -238,10 +255,10 @@ class Router:
         yet a dispatch. ``growth_bytes``: a long context's expected output KV, reserved
         against the ceiling too."""
         cls: EffectiveClass = admission_class  # type: ignore[assignment]
-        views = self.views(version)
+        aware = prefix is not None and self._cfg.strategy == "cache_aware"
+        views = self.views(version, prefix if aware else None)
         terms = None
-        if prefix is not None and self._cfg.strategy == "cache_aware" and views:
-            views = self.with_hits(views, prefix)
+        if prefix is not None and aware and views:
             terms = PrefixTerms(
                 prefix.placement_key,
                 replica_key(prefix.tenant_id),

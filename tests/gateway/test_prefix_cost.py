@@ -160,6 +160,10 @@ async def test_the_dispatch_is_recorded_whole_once_the_handler_yields() -> None:
     views = {v.replica_id: v for v in r.with_hits(r.views(VERSION), q)}
     assert views[pick.replica_id].queued_prefill_tokens == q.prompt_tokens
     assert views[pick.replica_id].cache_hit_tokens == len(full) * 16
+    # the views choose builds with the query in hand are with_hits' views
+    other = make_query("t", long_prompt(3)[:1] + [{"role": "user", "content": "more"}], SALT, 16)
+    for query in (q, other, make_query("t", long_prompt(9), SALT, 16)):
+        assert r.views(VERSION, query) == r.with_hits(r.views(VERSION), query)
 
 
 async def test_the_same_prompt_again_finds_the_whole_chain_and_its_queue_is_not_revived() -> None:
