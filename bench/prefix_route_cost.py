@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 RESULTS = Path(__file__).parent / "results"
 CASES = ("under one block", "one block", "{n} words, nobody holds it", "{n} words, held")
@@ -44,7 +45,9 @@ def _content(case: str, i: int, words: int) -> str:
     return pad if case.endswith("held") else f"request {i}: {pad}"
 
 
-async def _measure(strategy: str, case: str, n: int, words: int) -> tuple[float, float]:
+async def _measure(
+    strategy: Literal["p2c", "cache_aware"], case: str, n: int, words: int
+) -> tuple[float, float]:
     """Median µs per request before the send, and after it (the deferred callbacks)."""
     from bench.sim import SimRegistry, replica_records
     from contracts import schema
