@@ -180,6 +180,36 @@ async def test_a_long_prompt_cancelled_before_its_first_token_frees_its_slot(
         assert b.status_code == 200, b.text
 
 
+async def test_a_non_streaming_long_prompt_frees_its_slot_at_its_first_token_too(
+    rm: Seeder, rdb: redis.Redis, gws: tuple[GatewayProc, GatewayProc]
+) -> None:
+    """The gateway reads the replica's stream for a JSON client as well: the slot frees at
+    the first token, while the response (30 tokens of decode, seconds on this replica) is
+    still being generated."""
+    a_t = rm.tenant("standard", limits())
+    async with httpx.AsyncClient(timeout=120) as client:
+        whole = asyncio.create_task(
+            client.post(
+                gws[0].base_url + "/v1/chat/completions",
+                json=chat_body("lp", LONG_WORDS, 30, ignore_eos=True),
+                headers=a_t.auth,
+            )
+        )
+        held_a = await wait_until_async(lambda: leases(rdb, a_t), 30, 0.02, "A admitted")
+        assert held_a[0][1] - store_now_ms(rdb) > 60_000
+        await wait_until_async(
+            lambda: [kv for kv, end in leases(rdb, a_t) if end <= store_now_ms(rdb)],
+            30,
+            0.02,
+            "A's prefill slot released",
+        )
+        assert not whole.done()  # its answer is still being generated
+        response = await whole
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 30
+    await wait_until_async(lambda: not leases(rdb, a_t), 10, 0.05, "A's lease released")
+
+
 def test_no_500s(gws: tuple[GatewayProc, GatewayProc]) -> None:
     for gw in gws:
         assert "Traceback" not in gw.log(), gw.log()[-3000:]
