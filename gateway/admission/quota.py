@@ -1325,22 +1325,31 @@ class Limiter:
         return int(res[2])
 
     async def _release_long(self, grant: Grant, never_ran: bool = False) -> None:
-        """Settle's half on the ledger's slot (cluster only); never raises."""
+        """Settle's half on the ledger's slot (cluster only); never raises. Without the
+        ledger's node the lease expires on its own within lease_ttl_s."""
+        await self._on_ledger(grant, "release", "1" if never_ran else "0")
+
+    async def _on_ledger(self, grant: Grant, action: str, *args: Arg) -> int:
+        """One ``LONG_CONTEXT_LUA`` action on the grant's own ledger lease: its answer, or
+        0 when the lease was claimed in-process or the ledger's node cannot be asked.
+        Never raises."""
         assert grant.long_tag is not None
         node = self._ledger_node(grant.version)
-        if grant.long_local or not self._redis_usable(node):
-            return  # the lease expires on its own within lease_ttl_s
+        if grant.local or grant.long_local or not self._redis_usable(node):
+            return 0
         lc = grant.long_tag
         try:
-            await self._eval(
-                self._long_lua,
-                (f"{lc}:l", f"{lc}:e", f"{lc}:w"),
-                ("release", grant.lease_id, "1" if never_ran else "0"),
+            res = await self._eval(
+                self._long_lua, (f"{lc}:l", f"{lc}:e", f"{lc}:w"), (action, grant.lease_id, *args)
             )
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             self._mark(False, exc, node)
+            return 0
         except RedisError:
-            log.exception("long-context release failed for lease %s", grant.lease_id)
+            log.exception("long-context %s failed for lease %s", action, grant.lease_id)
+            return 0
+        self._mark(True, node=node)
+        return int(res)
 
     def _ledger_node(self, version: str) -> Node:
         if isinstance(self._channel, ClusterScriptChannel):
@@ -1591,23 +1600,7 @@ class Limiter:
         if tag is None or grant.settled:
             return False
         self._local_prefill.get(tag, {}).pop(grant.lease_id, None)
-        node = self._ledger_node(grant.version)
-        if grant.local or grant.long_local or not self._redis_usable(node):
-            return False
-        try:
-            released = await self._eval(
-                self._long_lua,
-                (f"{tag}:l", f"{tag}:e", f"{tag}:w"),
-                ("prefilled", grant.lease_id),
-            )
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            self._mark(False, exc, node)
-            return False
-        except RedisError:
-            log.exception("long-context prefill release failed for lease %s", grant.lease_id)
-            return False
-        self._mark(True, node=node)
-        return bool(released)
+        return bool(await self._on_ledger(grant, "prefilled"))
 
     # -- renew -------------------------------------------------------------------------
     async def renew(self, grants: Sequence[Grant]) -> tuple[int, int]:

@@ -130,14 +130,27 @@ async def refused_for_the_budget(
     assert r.json()["error"]["code"] == "long_context_capacity"
 
 
+async def first_admitted(
+    client: httpx.AsyncClient,
+    held: list[httpx.Response],
+    gw: GatewayProc,
+    rdb: redis.Redis,
+    t: Tenant,
+) -> tuple[asyncio.Task[httpx.Response], list[tuple[int, int]]]:
+    """Start ``t``'s long stream; return it (its 200 comes with the first token) once the
+    ledger holds its lease, with that lease."""
+    first = asyncio.create_task(open_long(client, held, gw, t))
+    lease = await wait_until_async(lambda: leases(rdb, t), 30, 0.02, "admitted")
+    return first, lease
+
+
 async def test_a_second_long_prompt_waits_for_the_first_ones_first_token(
     rm: Seeder, rdb: redis.Redis, gws: tuple[GatewayProc, GatewayProc]
 ) -> None:
     a_t, b_t = rm.tenant("standard", limits()), rm.tenant("standard", limits())
     ga, gb = gws
     async with held_streams() as (client, held):
-        first = asyncio.create_task(open_long(client, held, ga, a_t))
-        held_a = await wait_until_async(lambda: leases(rdb, a_t), 30, 0.02, "A admitted")
+        first, held_a = await first_admitted(client, held, ga, rdb, a_t)
         # A's prefill slot is held far past the old estimate (its safety expiry is minutes
         # away: only its first token frees it in this test)
         assert held_a[0][1] - store_now_ms(rdb) > 60_000
@@ -168,8 +181,7 @@ async def test_a_long_prompt_cancelled_before_its_first_token_frees_its_slot(
     a_t, b_t = rm.tenant("standard", limits()), rm.tenant("standard", limits())
     ga, gb = gws
     async with held_streams() as (client, held):
-        first = asyncio.create_task(open_long(client, held, ga, a_t))
-        await wait_until_async(lambda: leases(rdb, a_t), 30, 0.02, "A admitted")
+        first, _ = await first_admitted(client, held, ga, rdb, a_t)
         await refused_for_the_budget(client, held, gb, b_t)
         assert not first.done()
         first.cancel()  # the client gives up before its first token
