@@ -21,7 +21,9 @@ one slot):
   Its settle releases the two leases in parallel and renewal extends both, each in its own
   slot. A short request reads the ledger's total for placement at most every
   ``LONG_READ_INTERVAL_S`` per version, beside its admit call (in parallel, not waited for
-  longer than the admit).
+  longer than the admit). On either layout a long-context request's first token releases
+  its prefill slot with ``LONG_CONTEXT_LUA``'s ``prefilled`` action (``prefill_done``: one
+  call on the ledger's slot; the KV stays held until settle).
 
 Redis Cluster: the key layout rule (every key the gateway or the control plane writes
 follows it; add keys by it):
