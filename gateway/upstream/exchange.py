@@ -456,8 +456,6 @@ class Exchange:
             if not self.added_observed and tracker.first_token_at is not None:
                 self._first_token_relayed()
                 self._observe_added(tracker.first_token_at)
-                # Prefill done: the router's in-flight charge may lapse at the next scrape.
-                self.svc.router.on_first_token(self.ticket.replica, self.ticket.request_id)
                 self._prefill_done()
                 self._mark(now)
             elif self._next_mark and now >= self._next_mark:
@@ -465,9 +463,11 @@ class Exchange:
         return ended
 
     def _prefill_done(self) -> None:
-        """The first token arrived: a long context gives its prefill slot back to the
-        fleet's budget now (docs/design.md §7 "Long contexts"), in the background so the
-        relay does not wait for the round trip. Once; nothing for other requests."""
+        """The first token arrived, so the prefill is over (streaming or not): the router's
+        in-flight charge may lapse at the replica's next scrape, and a long context gives
+        its prefill slot back to the fleet's budget now (docs/design.md §7 "Long
+        contexts"), in the background so the relay does not wait for the round trip."""
+        self.svc.router.on_first_token(self.ticket.replica, self.ticket.request_id)
         grant = self.ticket.grant
         if self.prefill_released or grant is None or grant.long_tag is None:
             return
