@@ -5,6 +5,9 @@ Prices: a version's form holds the three prices. Adding a version records its fi
 changing them records a ``catalog.services.price_change`` (from the current hour or a
 later one, with a reason) — the version's price history is shown read-only below it and
 under "Model prices"; nobody edits or deletes a price row (the database refuses too).
+A change not yet in force can be withdrawn from its page under "Model prices" (with a
+reason; ``catalog.services.price_change_withdraw``), by whoever may change the version's
+prices here: an operator with the version's change permission.
 """
 
 from __future__ import annotations
@@ -14,15 +17,19 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
 from django.utils import timezone
+from django.utils.html import format_html
 
 from catalog import services
 from catalog.models import PRICE, ModelFamily, ModelPrice, ModelVersion, Replica
 from catalog.selectors import price_in_force
-from tenants.permissions import OperatorAdminMixin
+from tenants.permissions import OperatorAdminMixin, is_operator
 
 PRICE_FORM_FIELDS = {
     "price_prompt_per_mtok": "Prompt price per 1M tokens",
@@ -76,6 +83,9 @@ PRICE_COLUMNS = (
     "actor_label",
     "reason",
     "created_at",
+    "withdrawn_at",
+    "withdrawn_by_label",
+    "withdrawal_reason",
 )
 
 
@@ -240,15 +250,70 @@ class ModelVersionAdmin(OperatorAdminMixin, admin.ModelAdmin):
         self.message_user(request, f"Updated {queryset.count()} version(s).")
 
 
+class PriceWithdrawForm(forms.Form):
+    reason = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 2}),
+        label="Why the change is withdrawn",
+        help_text="Kept in the price history with your name.",
+    )
+
+
 @admin.register(ModelPrice)
 class ModelPriceAdmin(admin.ModelAdmin):
-    """Every price change of every version, read-only (record changes on the version)."""
+    """Every price change of every version, read-only (record changes on the version); a
+    change not yet in force has a link to withdraw it."""
 
     list_display = ("version", *PRICE_COLUMNS)
     list_filter = ("version",)
     search_fields = ("version__name", "reason", "actor_label")
     date_hierarchy = "effective_from"
-    readonly_fields = ("version", "replaces", "actor", *PRICE_COLUMNS)
+    readonly_fields = ("version", "replaces", "actor", *PRICE_COLUMNS, "withdrawn_by", "withdraw")
+
+    def get_urls(self) -> list[URLPattern]:
+        withdraw = path(
+            "<int:price_id>/withdraw/",
+            self.admin_site.admin_view(self.withdraw_view),
+            name="catalog_modelprice_withdraw",
+        )
+        return [withdraw, *super().get_urls()]
+
+    def may_withdraw(self, request: HttpRequest) -> bool:
+        """Whoever may change a version's prices on its admin form."""
+        return is_operator(request.user) and request.user.has_perm("catalog.change_modelversion")
+
+    @admin.display(description="withdraw")
+    def withdraw(self, obj: ModelPrice) -> str:
+        if obj.withdrawn_at is not None or obj.effective_from <= timezone.now():
+            return "—"  # withdrawn, or in force (once): only a new price change supersedes it
+        url = reverse("admin:catalog_modelprice_withdraw", args=[obj.pk])
+        return format_html('<a href="{}">Withdraw this scheduled change</a>', url)
+
+    def withdraw_view(self, request: HttpRequest, price_id: int) -> HttpResponse:
+        price = get_object_or_404(ModelPrice, pk=price_id)
+        if not self.may_withdraw(request):
+            raise PermissionDenied
+        form = PriceWithdrawForm(request.POST if request.method == "POST" else None)
+        if form.is_valid():
+            try:
+                services.price_change_withdraw(
+                    price=price,
+                    actor=request.user,
+                    actor_label=request.user.get_username(),
+                    reason=form.cleaned_data["reason"],
+                )
+            except ValidationError as exc:
+                form.add_error(None, exc.messages)
+            else:
+                self.message_user(request, f"Withdrew the price change {price}.")
+                return redirect("admin:catalog_modelprice_change", price.pk)
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": f"Withdraw the price change {price}",
+            "price": price,
+            "form": form,
+        }
+        return TemplateResponse(request, "admin/catalog/modelprice/withdraw.html", context)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

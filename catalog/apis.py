@@ -5,6 +5,10 @@ GET/POST /api/v1/models/<version>/prices/: a version's price history and price c
 for staff holding ``catalog.view_modelprice`` / ``catalog.add_modelprice`` (being staff
 is not enough). A change records who made it and why; it takes effect from the current
 UTC hour or a later one, never an earlier one (catalog.services.price_change).
+
+POST /api/v1/models/<version>/prices/<id>/withdraw/: withdraw a change not yet in force
+(catalog.services.price_change_withdraw), with the permission that schedules one: a
+withdrawal does no more than scheduling the previous price again at that hour would.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from catalog import selectors, services
-from catalog.models import ModelVersion
+from catalog.models import ModelPrice, ModelVersion
 
 VIEW_PRICES = "catalog.view_modelprice"
 CHANGE_PRICES = "catalog.add_modelprice"
@@ -71,6 +75,7 @@ PRICE = {"max_digits": 12, "decimal_places": 6, "min_value": 0}
 
 
 class PriceOutput(serializers.Serializer):
+    id = serializers.IntegerField()
     effective_from = serializers.DateTimeField()
     currency = serializers.CharField()
     price_prompt_per_mtok = serializers.DecimalField(max_digits=12, decimal_places=6)
@@ -82,6 +87,9 @@ class PriceOutput(serializers.Serializer):
     replaces_effective_from = serializers.DateTimeField(
         source="replaces.effective_from", default=None
     )
+    withdrawn_at = serializers.DateTimeField(allow_null=True)
+    withdrawn_by = serializers.CharField(source="withdrawn_by_label")
+    withdrawal_reason = serializers.CharField()
 
 
 class PriceChangeInput(serializers.Serializer):
@@ -91,6 +99,10 @@ class PriceChangeInput(serializers.Serializer):
     effective_from = serializers.DateTimeField(
         required=False, allow_null=True, help_text="A UTC hour, not before the current one."
     )
+    reason = serializers.CharField(max_length=2000)
+
+
+class PriceWithdrawInput(serializers.Serializer):
     reason = serializers.CharField(max_length=2000)
 
 
@@ -131,3 +143,21 @@ class VersionPriceApi(APIView):
             reason=values["reason"],
         )
         return Response(PriceOutput(row).data, status=201)
+
+
+class VersionPriceWithdrawApi(APIView):
+    @extend_schema(request=PriceWithdrawInput, responses={200: PriceOutput})
+    def post(self, request: Request, version: str, price_id: int) -> Response:
+        _require(request, CHANGE_PRICES)
+        data = PriceWithdrawInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        price = ModelPrice.objects.filter(pk=price_id, version=_version(version)).first()
+        if price is None:
+            raise Http404
+        row = services.price_change_withdraw(
+            price=price,
+            actor=request.user,
+            actor_label=request.user.get_username(),
+            reason=data.validated_data["reason"],
+        )
+        return Response(PriceOutput(row).data)

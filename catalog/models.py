@@ -198,6 +198,14 @@ class ModelPrice(models.Model):
     rows are the price history and its audit trail (who, when, why; ``replaces`` is the
     row that was in force at ``effective_from`` when this one was recorded — the before).
 
+    The one exception is the withdrawal of a scheduled change (``price_change_withdraw``):
+    the trigger lets the ``withdrawn_*`` columns be set once, on a row whose hour is still
+    in the future, every other column unchanged. A withdrawn row stays in the history with
+    who withdrew it, when and why, and is never in force (prices are read through
+    ``ModelPrice.live``). Stamping the row, rather than adding a marker row elsewhere,
+    keeps "one live price per version and hour" a plain partial unique constraint, so the
+    withdrawn hour can be scheduled again.
+
     Prices are per 1,000,000 tokens, exact decimals (billing multiplies, never floats).
     Usage of an hour is billed at the row in force at that hour (docs/design.md §4,
     billing/README.md).
@@ -225,14 +233,37 @@ class ModelPrice(models.Model):
     )
     reason = models.TextField()
     created_at = models.DateTimeField(auto_now_add=True)
+    withdrawn_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the change was withdrawn before taking effect."
+    )
+    withdrawn_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    withdrawn_by_label = models.CharField(max_length=100, blank=True, default="")
+    withdrawal_reason = models.TextField(blank=True, default="")
 
     class Meta:
         ordering = ["version_id", "effective_from"]
         constraints = [
             models.UniqueConstraint(
                 fields=["version", "effective_from"],
-                name="catalog_price_one_per_version_and_hour",
+                condition=Q(withdrawn_at__isnull=True),
+                name="catalog_price_one_live_per_version_and_hour",
                 violation_error_message="The version already has a price from that hour.",
+            ),
+            models.CheckConstraint(
+                condition=Q(
+                    withdrawn_at__isnull=True,
+                    withdrawn_by__isnull=True,
+                    withdrawn_by_label="",
+                    withdrawal_reason="",
+                )
+                | (
+                    Q(withdrawn_at__isnull=False, withdrawn_at__lt=F("effective_from"))
+                    & ~Q(withdrawn_by_label="")
+                    & ~Q(withdrawal_reason="")
+                ),
+                name="catalog_price_withdrawal_says_who_and_why",
             ),
             models.CheckConstraint(
                 condition=Q(price_prompt_per_mtok__gte=0)
@@ -259,7 +290,13 @@ class ModelPrice(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.version_id} from {self.effective_from:%Y-%m-%dT%H:%MZ}"
+        withdrawn = " (withdrawn)" if self.withdrawn_at is not None else ""
+        return f"{self.version_id} from {self.effective_from:%Y-%m-%dT%H:%MZ}{withdrawn}"
+
+    @classmethod
+    def live(cls) -> models.QuerySet[ModelPrice]:
+        """The rows that are or will be in force: every price lookup reads these."""
+        return cls.objects.filter(withdrawn_at__isnull=True)
 
 
 def replica_host_allowed(host: str, patterns: list[str]) -> bool:

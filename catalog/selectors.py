@@ -22,8 +22,10 @@ PRICE_COLUMNS = (
 
 
 def _in_force(version: Any, at: Any) -> QuerySet[ModelPrice]:
-    return ModelPrice.objects.filter(version=version, effective_from__lte=at).order_by(
-        "-effective_from"
+    return (
+        ModelPrice.live()
+        .filter(version=version, effective_from__lte=at)
+        .order_by("-effective_from")
     )
 
 
@@ -33,11 +35,11 @@ def price_in_force(*, version: ModelVersion | int, at: datetime) -> ModelPrice |
 
 
 def price_history(*, version: ModelVersion) -> QuerySet[ModelPrice]:
-    """The version's prices, latest effective first (scheduled ones included)."""
+    """The version's prices, latest effective first (scheduled and withdrawn ones included)."""
     return (
         ModelPrice.objects.filter(version=version)
         .select_related("replaces")
-        .order_by("-effective_from")
+        .order_by("-effective_from", "-created_at")
     )
 
 
@@ -73,8 +75,10 @@ class PriceBook:
         self.start, self.end = start, end
         self._rows: dict[int, list[ModelPrice]] = {}
         cuts = set()
-        for row in ModelPrice.objects.filter(effective_from__lt=end).order_by(
-            "version_id", "effective_from"
+        for row in (
+            ModelPrice.live()
+            .filter(effective_from__lt=end)
+            .order_by("version_id", "effective_from")
         ):
             self._rows.setdefault(row.version_id, []).append(row)
             if row.effective_from > start:
@@ -109,8 +113,10 @@ def price_periods(
     epoch)."""
     ids = set(version_ids)
     rows: dict[int, list[ModelPrice]] = {v: [] for v in ids}
-    for row in ModelPrice.objects.filter(version_id__in=ids, effective_from__lt=end).order_by(
-        "version_id", "effective_from"
+    for row in (
+        ModelPrice.live()
+        .filter(version_id__in=ids, effective_from__lt=end)
+        .order_by("version_id", "effective_from")
     ):
         rows[row.version_id].append(row)
     out: dict[int, list[PricePeriod]] = {}

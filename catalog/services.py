@@ -1,7 +1,8 @@
 """Writes for the model registry. Read-model pushes follow via the tenants app's hooks.
 
 Prices are effective-dated rows of ``ModelPrice`` and only ``price_change`` (and a new
-version's first price in ``version_upsert``) writes them; the table is append-only.
+version's first price in ``version_upsert``) writes them; the table is append-only, but
+for ``price_change_withdraw``, which stamps a change not yet in force as withdrawn.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from catalog.models import PRICE_EPOCH, ModelFamily, ModelPrice, ModelVersion, Replica
@@ -202,6 +204,61 @@ def price_change(
         actor_label=actor_label.strip(),
         reason=reason.strip(),
     )
+
+
+@transaction.atomic
+def price_change_withdraw(
+    *,
+    price: ModelPrice,
+    actor: AbstractBaseUser | None = None,
+    actor_label: str,
+    reason: str,
+) -> ModelPrice:
+    """Withdraw a scheduled price change before it takes effect: the version keeps the
+    price in force before it (and any later change) as if it had never been recorded.
+
+    Only while its hour is in the future: a price in force, or once in force, may have
+    billed usage, so it can only be superseded by a new ``price_change`` (ValidationError,
+    nothing written). The row stays in the history with who withdrew it, when and why
+    (``withdrawn_*``); the database's trigger allows that stamp once, on a future row only.
+    """
+    if not reason.strip():
+        raise ValidationError({"reason": "Say why the price change is withdrawn."})
+    if not actor_label.strip():
+        raise ValidationError({"actor_label": "Say who withdraws the price change."})
+    # Serialised with price_change on the version: no change is recorded against this row
+    # as "the before" while it is being withdrawn.
+    ModelVersion.objects.select_for_update().filter(pk=price.version_id).first()
+    row = ModelPrice.objects.select_for_update().get(pk=price.pk)
+    if row.withdrawn_at is not None:
+        raise ValidationError(
+            f"This price change was already withdrawn ({row.withdrawn_at:%Y-%m-%d %H:%M} UTC, "
+            f"by {row.withdrawn_by_label})."
+        )
+    if row.effective_from <= timezone.now():
+        raise ValidationError(
+            {
+                "effective_from": (
+                    f"The price from {row.effective_from:%Y-%m-%d %H:%M} UTC has taken effect: "
+                    "only a change still in the future can be withdrawn. Record a new price "
+                    "change instead (hours at this price may already be billed)."
+                )
+            }
+        )
+    try:
+        with transaction.atomic():
+            ModelPrice.objects.filter(pk=row.pk).update(
+                withdrawn_at=Now(),
+                withdrawn_by=actor,
+                withdrawn_by_label=actor_label.strip(),
+                withdrawal_reason=reason.strip(),
+            )
+    except IntegrityError:  # its hour began between the check above and the update
+        raise ValidationError(
+            {"effective_from": "The price has taken effect: it can no longer be withdrawn."}
+        ) from None
+    row.refresh_from_db()
+    return row
 
 
 @transaction.atomic

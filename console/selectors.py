@@ -3,6 +3,7 @@ same functions the usage and costs API call), so every number equals the API's."
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
@@ -11,8 +12,10 @@ from uuid import UUID
 
 from django.db import DatabaseError, connection, transaction
 
+from catalog.models import ModelVersion
 from metering import selectors as metering
 from metering.pages import DAY, PageWindow, ceil_to, floor_to
+from tenants.limits import EffectiveLimit
 from tenants.models import ApiKey, Tenant
 
 MAX_HOURLY_DAYS = 31
@@ -126,6 +129,17 @@ def usage_breakdown(
             name = str(result.model if group == "model" else result.api_key_id)
             sums[name] = sums.get(name, Totals()) + _totals(result)
     return sorted(sums.items(), key=lambda item: -(item[1].prompt + item[1].completion))
+
+
+def callable_models(*, limits: Iterable[EffectiveLimit]) -> list[str]:
+    """Of the families a tenant's limits grant (its plan's rows and its overrides), those the
+    gateway can serve now, by name: a family resolves to its current version, so one
+    without an active current version answers "model not found"."""
+    granted = {limit.family for limit in limits}
+    served = ModelVersion.objects.filter(
+        family__name__in=granted, is_current=True, is_active=True
+    ).values_list("family__name", flat=True)
+    return sorted(set(served))
 
 
 def key_names(*, tenant: Tenant) -> dict[str, str]:

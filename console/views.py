@@ -66,6 +66,7 @@ def overview(request: HttpRequest, acc: TenantAccess) -> HttpResponse:
         if acc.role in COST_READERS
         else None
     )
+    limits = selectors.limit_list(tenant=acc.tenant)
     return render(
         request,
         "console/overview.html",
@@ -73,11 +74,12 @@ def overview(request: HttpRequest, acc: TenantAccess) -> HttpResponse:
             "totals": totals,
             "spend": spend,
             "month_start": start,
-            "limits": selectors.limit_list(tenant=acc.tenant),
+            "limits": limits,
             "latency": console_selectors.recent_latency(tenant=acc.tenant, now=now),
             "statuses": metrics.tenant_status_counts(str(acc.tenant.id)),
             "gateway_urls": settings.FAIRWAY_GATEWAY_METRICS_URLS,
             "api_base_url": settings.FAIRWAY_API_BASE_URL,
+            "models": console_selectors.callable_models(limits=limits),
         },
     )
 
@@ -97,17 +99,20 @@ def _keys_page(
     now = timezone.now()
     keys = list(selectors.api_key_list(tenant=acc.tenant))
     own_limits = selectors.api_key_limits_by_key(tenant=acc.tenant)
+    tenant_limits = selectors.limit_list(tenant=acc.tenant)
     response = render(
         request,
         "console/keys.html",
         {
             "keys": [(k, k.is_active(now), own_limits.get(k.id, [])) for k in keys],
-            "tenant_limits": selectors.limit_list(tenant=acc.tenant),
+            "tenant_limits": tenant_limits,
             "form": form,
             "can_write": acc.role in selectors.KEY_WRITERS,
             "created": created,
             "secret": secret,
             "api_base_url": settings.FAIRWAY_API_BASE_URL,
+            # The quick start shows only with a new key's secret.
+            "models": console_selectors.callable_models(limits=tenant_limits) if secret else [],
         },
         status=status,
     )

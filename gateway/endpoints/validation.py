@@ -52,8 +52,9 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # A request for a capability the model version does not have: 400 with this code.
 UNSUPPORTED_BY_MODEL = "unsupported_by_model"
 
-# Accepted and not forwarded: bookkeeping fields the official client may send. What each
-# means here is in gateway/README.md ("OpenAI fields").
+# Accepted on chat and not forwarded: bookkeeping fields the official client may send
+# (``user`` on both endpoints). What each means here is in gateway/README.md ("OpenAI
+# fields"); tests/gateway/test_upstream_body.py checks none reaches a replica's body.
 NOT_FORWARDED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key"})
 SERVICE_TIERS = frozenset({"auto", "default"})
 FLOAT_RANGES: dict[str, tuple[float, float]] = {
@@ -70,20 +71,20 @@ COMMON = (
     | {"logit_bias", "user"}
     | FLOAT_RANGES.keys()
 )
-KNOWN = COMMON | {
-    "messages",
-    "max_completion_tokens",
-    "logprobs",
-    "top_logprobs",
-    "response_format",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "metadata",
-    "store",
-    "service_tier",
-    "prompt_cache_key",
-}
+KNOWN = (
+    COMMON
+    | NOT_FORWARDED
+    | {
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    }
+)
 COMPLETION_KNOWN = COMMON | {"prompt", "echo", "suffix", "logprobs", "best_of"}
 
 

@@ -317,7 +317,8 @@ class StreamTracker:
 
     def prompt_tokens(self, estimate: int) -> int:
         """Exact from upstream usage (the final chunk's, else the last continuous counts);
-        without either, the estimate once prefill is known to have run."""
+        without either, the estimate once prefill is known to have run. Rule 1 of the
+        billing rule (metering/rules.py) is decided here: the consumer bills this as is."""
         final = self._final("prompt_tokens")
         if final is not None:
             return final

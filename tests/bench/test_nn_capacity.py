@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from bench.nn_capacity import (
     DESIGN_UTILISATION,
+    Probe,
     bisect_rate,
     derive_rates,
     probe_replica,
@@ -88,3 +89,11 @@ def test_probe_of_the_bench_replica_reports_real_token_latencies() -> None:
     assert 0.020 < light.tpot_p95_s < 0.050
     assert light.holds and 0.9 < light.feasible_attainment <= 1.0
     assert not heavy.holds  # 6 req/s is past the occupancy cliff (bench/results/fleet_sim.md)
+
+
+def test_the_reserved_tier_holds_only_at_its_attainment_and_the_p95s() -> None:
+    ok = Probe(1.0, 0.8, 0.040, 1000, feasible_attainment=0.999)
+    assert ok.holds_reserved
+    assert not Probe(1.0, 0.8, 0.040, 1000, feasible_attainment=0.998).holds_reserved
+    assert not Probe(1.0, 1.2, 0.040, 1000, feasible_attainment=1.0).holds_reserved
+    assert not Probe(1.0, 0.8, 0.040, 0).holds_reserved  # nothing feasible measured

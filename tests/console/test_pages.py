@@ -435,3 +435,37 @@ def test_a_new_tenant_sees_empty_states_not_blank_pages(
         response = client.get(_url(tenant_a, page))
         assert response.status_code == 200, page
         assert says in response.content.decode(), page
+
+
+def _quickstarts(client: Client, tenant: Tenant) -> list[str]:
+    """The quick-start panel of the overview, and of the keys page showing a new key."""
+    created = client.post(
+        _url(tenant, "keys/"), {"form_id": f"qs-{tenant.name}", "name": "qs", "scopes": ["chat"]}
+    )
+    panels = []
+    for body in (client.get(_url(tenant)).content.decode(), created.content.decode()):
+        panel = re.search(r'aria-labelledby="qs-title">(.*?)</section>', body, re.S)
+        assert panel, "no quick-start panel"
+        panels.append(panel.group(1))
+    return panels
+
+
+def test_quick_start_names_a_model_the_tenant_can_call(
+    tenant_a: Tenant, owner_a: Any, browser_for: Any, make_user: Callable[..., Any], rm: Any
+) -> None:
+    """The snippets call a family the tenant's plan grants and the gateway serves; a
+    tenant granted none is told so instead of shown a request that would be refused."""
+    from tenants import services
+    from tenants.demo import MODELS
+
+    MODELS[1].upsert(make_current=True)  # llama-8b: served, but not on tenant A's plan
+    for panel in _quickstarts(browser_for(owner_a), tenant_a):
+        assert 'model="llama-70b"' in panel and '"model": "llama-70b"' in panel
+        assert "llama-8b" not in panel
+
+    bare = services.plan_create(name="bare", admission_class="standard")
+    owner = make_user("owner-bare")
+    lonely = services.tenant_create(name="tenant-bare", plan=bare, owner=owner)
+    for panel in _quickstarts(browser_for(owner), lonely):
+        assert "does not include any model that can be called now" in panel
+        assert "chat.completions.create" not in panel and "curl" not in panel

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 
 from gateway.config import GatewayConfig
-from gateway.endpoints.validation import parse_chat
+from gateway.endpoints.validation import KNOWN, NOT_FORWARDED, parse_chat
 from gateway.upstream.client import UpstreamClient
 from tests.gateway.test_validation import GOOD, VERSION
 
@@ -45,3 +45,25 @@ def test_streams_ask_for_continuous_usage_unless_switched_off() -> None:
     off = GatewayConfig.from_env({"GATEWAY_CONTINUOUS_USAGE": "0"})
     assert not off.continuous_usage and GatewayConfig.from_env({}).continuous_usage
     assert options(off, stream=True) == {"include_usage": True}
+
+
+def test_bookkeeping_fields_are_accepted_and_never_reach_the_replica() -> None:
+    """Every field of ``NOT_FORWARDED`` parses on chat (with a value it accepts) and is
+    absent from the replica's body; ``user`` and ``prompt_cache_key`` only steer routing."""
+    accepted = {
+        "user": "u1",
+        "metadata": {"a": "b"},
+        "store": False,
+        "service_tier": "auto",
+        "prompt_cache_key": "conversation-7",
+    }
+    assert set(accepted) == NOT_FORWARDED and NOT_FORWARDED <= KNOWN
+    req = parse_chat(orjson.dumps({**GOOD, **accepted}))
+    body = orjson.loads(
+        UpstreamClient(GatewayConfig()).build_body(
+            req, VERSION, max_tokens=9, priority=2, tenant_id="t"
+        )
+    )
+    assert not NOT_FORWARDED & body.keys()
+    assert not NOT_FORWARDED & req.sampling.keys()
+    assert req.cache_hint == "conversation-7"
