@@ -12,12 +12,14 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from contracts import schema
 from contracts.blockhash import get_hasher, salt_key
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.prefix import (
     MASK64,
     PLACEMENT_BLOCK,
     PrefixIndex,
+    PrefixQuery,
     block_hashes,
     make_query,
     prompt_token_ids,
@@ -137,18 +139,21 @@ def test_a_held_chain_is_followed_to_its_end() -> None:
     assert idx.match_query(q, ["r0", "r1", "r2"]) == {"r0": len(held), "r1": 5, "r2": 0}
 
 
-def router(n: int = 2) -> Router:
-    reg = Registry(n)
-    reg.scrape(0.9, **{f"r{i}": 0.1 for i in range(n)})
-    return Router(reg, random.Random(3), config=AdmissionConfig(strategy="cache_aware"))
-
-
-async def test_the_dispatch_is_recorded_whole_once_the_handler_yields() -> None:
-    r = router()
-    q = make_query("t", long_prompt(3), SALT, 16)
+def dispatched(prompt: int) -> tuple[Router, PrefixQuery, schema.ReplicaRecord]:
+    """A cache-aware router over 2 replicas that has just chosen and dispatched a long
+    prompt nobody held (request id "a")."""
+    reg = Registry(2)
+    reg.scrape(0.9, r0=0.1, r1=0.1)
+    r = Router(reg, random.Random(3), config=AdmissionConfig(strategy="cache_aware"))
+    q = make_query("t", long_prompt(prompt), SALT, 16)
     pick = r.choose(VERSION, "standard", 1000, prefix=q)
     assert pick is not None
     r.on_dispatch(pick, "a", 1000, prefix=q)
+    return r, q, pick
+
+
+async def test_the_dispatch_is_recorded_whole_once_the_handler_yields() -> None:
+    r, q, pick = dispatched(3)
     # at once: the blocks the choice hashed (those that decide placement)
     assert r.index.blocks_of(pick.replica_id) == PLACEMENT_BLOCK and not q.settled
     queued = r.with_hits(r.views(VERSION), q)
@@ -167,11 +172,7 @@ async def test_the_dispatch_is_recorded_whole_once_the_handler_yields() -> None:
 
 
 async def test_the_same_prompt_again_finds_the_whole_chain_and_its_queue_is_not_revived() -> None:
-    r = router()
-    q = make_query("t", long_prompt(4), SALT, 16)
-    pick = r.choose(VERSION, "standard", 1000, prefix=q)
-    assert pick is not None
-    r.on_dispatch(pick, "a", 1000, prefix=q)
+    r, q, pick = dispatched(4)
     r.on_first_token(pick, "a")  # before the deferred record runs
     await asyncio.sleep(0)
     again = make_query("t", long_prompt(4), SALT, 16)
@@ -183,9 +184,5 @@ async def test_the_same_prompt_again_finds_the_whole_chain_and_its_queue_is_not_
 
 
 def test_outside_an_event_loop_the_dispatch_is_recorded_at_once() -> None:
-    r = router()
-    q = make_query("t", long_prompt(5), SALT, 16)
-    pick = r.choose(VERSION, "standard", 1000, prefix=q)
-    assert pick is not None
-    r.on_dispatch(pick, "a", 1000, prefix=q)
+    r, q, pick = dispatched(5)
     assert q.settled and r.index.blocks_of(pick.replica_id) == len(q.block_hashes)
