@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             check=True,
         )
         results[args.label or str(args.against)] = json.loads(done.stdout)
-    command = " ".join(["python -m bench.prefix_route_cost", *(argv or sys.argv[1:])])
+    command = shlex.join(["python", "-m", "bench.prefix_route_cost", *(argv or sys.argv[1:])])
     text = "\n".join(
         [
             "# Cache-aware routing's cost per request, in process",
