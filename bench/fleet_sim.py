@@ -155,6 +155,7 @@ class SimResult:
     gave_up: int = 0
     long_refused: int = 0
     long_refused_by: dict[str, int] = field(default_factory=dict)
+    long_admitted_by: dict[str, int] = field(default_factory=dict)
 
     def measured(self) -> list[SimRequest]:
         """Requests that arrived after the fill-up and resolved before the end of the run
@@ -259,6 +260,7 @@ class FleetSim:
         self.long_served: dict[str, float] = {}  # each tenant's last long admission
         self.long_refused = 0
         self.long_refused_by: dict[str, int] = {}
+        self.long_admitted_by: dict[str, int] = {}
         version = self.gws[0].version
         self.long_threshold = long_context_threshold(version)
         self.version_rec = version
@@ -430,6 +432,7 @@ class FleetSim:
                                  waiting=self.long_waiting.keys(),
                                  served=self.long_served)  # fmt: skip
         if ok:
+            self.long_admitted_by[r.tenant] = self.long_admitted_by.get(r.tenant, 0) + 1
             self.long_served[r.tenant] = now
             pend = now + prefill_seconds(r.prompt, self.version_rec)
             self.long_leases[lease] = (r.tenant, need, pend)
@@ -560,6 +563,7 @@ class FleetSim:
             gave_up=self.gave_up,
             long_refused=self.long_refused,
             long_refused_by=self.long_refused_by,
+            long_admitted_by=self.long_admitted_by,
         )
 
 
@@ -770,13 +774,14 @@ def _heavy_tenant_table(res: SimResult, lo: float, end: float) -> list[str]:
         for h in range(res.cfg.heavy_tenants)
     }  # fmt: skip
     rows = [
-        "| heavy tenant | offered req/s | arrived in window | long-context 503s (whole run) | "
+        "| heavy tenant | offered req/s | arrived in window | budget admits / 503s (whole run) | "
         "128k prefills done in window | share of long-context work served | completed in window "
         "| goodput req/s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     cells = [
-        [t, f"{rate.get(t, 0):g}", offered[t], res.long_refused_by.get(t, 0),
+        [t, f"{rate.get(t, 0):g}", offered[t],
+         f"{res.long_admitted_by.get(t, 0)} / {res.long_refused_by.get(t, 0)}",
          prefilled[t] // HEAVY_PROMPT, _pct(prefilled[t] / total) if total else "—",
          done[t], f"{done[t] / (end - lo):.3f}"]
         for t in sorted(offered, key=lambda x: int(x.split("-")[1]))
