@@ -39,7 +39,7 @@ from emulator.engine import Engine
 from emulator.profiles import Profile, get_profile
 from emulator.replica_flags import platform_engine_config
 from gateway.admission.config import LAYERS, VLLM_PRIORITY, AdmissionConfig, Strategy
-from gateway.admission.estimates import long_context_threshold, prefill_seconds
+from gateway.admission.estimates import long_context_threshold, prefill_bound_seconds
 from gateway.admission.long_context import long_context_admits, long_context_budget
 from gateway.admission.replicas import ReplicaState
 from gateway.admission.retry import (
@@ -254,7 +254,7 @@ class FleetSim:
         self.tokens_at_warmup = np.zeros(cfg.replicas, dtype=np.int64)
         self._tick = {"arrivals": 0, "retries": 0, "rejected": 0, "rejected_first": 0, "errors": 0}
         # The fleet's long-context ledger (Redis in production): lease -> (tenant, bytes,
-        # prefill end); tenants refused -> when.
+        # prefill slot held until); tenants refused -> when.
         self.long_leases: dict[str, tuple[str, int, float]] = {}
         self.long_waiting: dict[str, float] = {}
         self.long_served: dict[str, float] = {}  # each tenant's last long admission
@@ -434,13 +434,24 @@ class FleetSim:
         if ok:
             self.long_admitted_by[r.tenant] = self.long_admitted_by.get(r.tenant, 0) + 1
             self.long_served[r.tenant] = now
-            pend = now + prefill_seconds(r.prompt, self.version_rec)
-            self.long_leases[lease] = (r.tenant, need, pend)
+            # The prefill slot is held until the first token (_prefilled); the bound is only
+            # the gateway's safety expiry for a release that never comes.
+            hold = self.adm.long_prefill_hold_factor * prefill_bound_seconds(
+                r.prompt, self.version_rec
+            )
+            self.long_leases[lease] = (r.tenant, need, now + hold)
             self.long_waiting.pop(r.tenant, None)
             r.long_lease = True
         else:
             self.long_waiting[r.tenant] = now
         return ok
+
+    def _prefilled(self, lease: str, at: float) -> None:
+        """The first token reached the gateway: the long prefill gives its slot back (its
+        KV stays leased until the request ends), as the gateway's ``prefill_done``."""
+        held = self.long_leases.get(lease)
+        if held is not None:
+            self.long_leases[lease] = (held[0], held[1], at)
 
     def _long_release(self, r: SimRequest, lease: str) -> None:
         if r.long_lease:
@@ -464,6 +475,7 @@ class FleetSim:
         for req in res.emitted:
             if req.num_output == 1:
                 req.handle.first_token = end
+                self._prefilled(req.request_id, end)
                 gw = self.gws[req.handle.gateway]
                 gw.router.on_first_token(gw.records[idx], req.request_id)
         for req in res.finished:

@@ -40,6 +40,12 @@ generator is one asyncio process at ~20 % of a core at 200 streams/s: not the bo
 token") against a replica started with tool calling, and writes
 bench/results/gateway_overhead_tools.md.
 
+``--gateway-env KEY=VALUE`` (repeatable) sets a variable for every gateway of the run, the
+other checkout's too (``GATEWAY_ADMISSION_STRATEGY=cache_aware`` measures cache-aware
+routing); ``--prompt-words N`` adds N words to every prompt after its unique first words, so
+that its first block is the request's own (nothing for cache-aware routing to follow) and
+its length is what hashing it would cost.
+
 ``--against DIR`` compares this tree's gateway with another commit's (a throwaway
 ``git worktree add --detach DIR SHA``) in one sitting: for each ``--workers`` setting, three
 arms take turns slice by slice — direct, this gateway, the other checkout's gateway (its own
@@ -107,6 +113,8 @@ BENCH_TOOLS = [
     }
 ]
 ADDED = "fairway_gateway_added_seconds_bucket"
+# --prompt-words: what follows every prompt's unique first words (set once at start).
+PROMPT_PAD: list[str] = [""]
 
 
 # -- load -------------------------------------------------------------------------------
@@ -189,7 +197,9 @@ def body(i: int, stream: bool, max_tokens: int) -> bytes:
             "max_tokens": max_tokens,
             "ignore_eos": True,
             "stream": stream,
-            "messages": [{"role": "user", "content": f"request {i}: tell me a short story"}],
+            "messages": [
+                {"role": "user", "content": f"request {i}: tell me a short story{PROMPT_PAD[0]}"}
+            ],
             **EXTRA_FIELDS,
         }
     )
@@ -937,6 +947,7 @@ async def main_async(args: argparse.Namespace) -> str:
     started = time.perf_counter()
     load_start = os.getloadavg()[0]
     with testbed(args.tools) as bed:
+        bed.env.update(args.gateway_env)
         auth = {"authorization": f"Bearer {seed(bed.redis_url, bed.replica.base_url, args.tools)}"}
         if args.against is not None:
             other = cluster.Checkout.seeded(
@@ -983,6 +994,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument(
+        "--gateway-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable for every gateway, the other checkout's too "
+        "(e.g. GATEWAY_ADMISSION_STRATEGY=cache_aware); repeatable",
+    )
+    parser.add_argument(
+        "--prompt-words",
+        type=int,
+        default=0,
+        help="words added to every prompt after its unique start (a longer prompt whose "
+        "first block nobody holds)",
+    )
+    parser.add_argument(
         "--tools",
         action="store_true",
         help="requests declare a tool and require a call (tool-calling overhead)",
@@ -1021,6 +1047,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    env: dict[str, str] = {}
+    for item in args.gateway_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--gateway-env {item!r}: want KEY=VALUE")
+        env[key] = value
+    args.gateway_env = env
+    if args.prompt_words < 0:
+        parser.error("--prompt-words must be at least 0")
     if args.slices is None:
         args.slices = 8 if args.against is None else 12
     if args.against is not None:
@@ -1038,6 +1073,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.tools:
         EXTRA_FIELDS.update(tools=BENCH_TOOLS, tool_choice="required")
+    if args.prompt_words:
+        PROMPT_PAD[0] = "".join(f" w{k}" for k in range(args.prompt_words))
     import uvloop
 
     if args.forward:

@@ -123,14 +123,25 @@ class ArmResult:
     wall_s: float = 0.0
 
 
-def arrivals(cfg: HerdConfig) -> list[tuple[float, int]]:
+def arrivals(cfg: HerdConfig) -> list[tuple[float, int, int]]:
+    """The seed's requests: (arrival time, prompt length, first token id). A prompt's token
+    ids are consecutive from its first, drawn from the seed like the rest (after the times
+    and lengths, which stay what they were): under cache-aware routing the ids decide the
+    chain hashes, hence the placement keys, so each seed is an independent draw of them too
+    (they used to be the same for every seed). Every arm of a seed replays these."""
     rng = np.random.default_rng(cfg.seed)
     times = poisson_arrivals(rng, cfg.rate_rps, 0.0, cfg.duration_s)
     prompts = DESIGN_PROMPT.sample(rng, len(times))
-    return [(float(t), int(p)) for t, p in zip(times, prompts, strict=True)]
+    firsts = rng.integers(1 << 20, 1 << 52, size=len(times))
+    return [(float(t), int(p), int(f)) for t, p, f in zip(times, prompts, firsts, strict=True)]
 
 
-def run_arm(cfg: HerdConfig, arm: Arm, work: list[tuple[float, int]]) -> ArmResult:
+def prompt_tokens(first: int, length: int) -> range:
+    """A request's prompt token ids: unique to it (no shared prefix in the herd)."""
+    return range(first, first + length)
+
+
+def run_arm(cfg: HerdConfig, arm: Arm, work: list[tuple[float, int, int]]) -> ArmResult:
     started = time.perf_counter()
     profile = get_profile(cfg.profile)
     engines = [
@@ -168,11 +179,11 @@ def run_arm(cfg: HerdConfig, arm: Arm, work: list[tuple[float, int]]) -> ArmResu
     )
     live: list[tuple[Request, float]] = []
     ids = 0
-    for t, prompt_len in work:
+    for t, prompt_len, first_token in work:
         fleet.run_to(t)
         kv_bytes = prompt_len * profile.kv_bytes_per_token
         long_context = arm.isolation and prompt_len >= threshold
-        tokens = range((ids + 1) << 20, ((ids + 1) << 20) + prompt_len)
+        tokens = prompt_tokens(first_token, prompt_len)
         query = None
         if arm.strategy == "cache_aware":
             salt = f"{ids % 16:064x}" if cfg.draw == 0 else f"{cfg.draw}:{ids % 16}"

@@ -8,7 +8,14 @@ module generates for the demo catalog (``tenants.demo.MODELS``), so a change of 
   emulator service per replica (profile ``emulator``, the default through docker/.env) and
   one vLLM service per replica (profile ``gpu``), both answering to the same network alias
   ``replica-<version>-<n>``, so the catalog's replica URLs are the same for both; and the
-  ``setup`` service that migrates and seeds the catalog with those URLs.
+  ``setup`` service that migrates and seeds the catalog with those URLs. The emulators
+  publish their KV-cache events (``--kv-events-config``, as vLLM's) and, between the
+  ``BEGIN/END generated kv events`` markers in the gateways' environment, both gateways
+  subscribe to every one of them (``GATEWAY_PREFIX_KV_EVENTS``, keyed by the replica ids
+  the seed gives those URLs). The vLLM services do not publish: their block hashes come
+  from the real model's tokenizer and a per-process hash seed, which the gateway's index
+  cannot reproduce (gateway/README.md, "Cache-aware routing"); under the ``gpu`` profile the
+  gateways' subscriptions stay idle.
 - ``deploy/k8s/base/replicas.yaml``: per version a StatefulSet of vLLM pods behind a
   headless Service (the gateway routes to each replica by its own address, so each pod has
   a stable DNS name: ``replica-<version>-<i>.replica-<version>``), and the catalog's
@@ -25,13 +32,24 @@ from typing import Any
 
 import yaml
 
-from catalog.replica import REPLICA_PORT, ServingSpec, replica_argv
+from catalog.replica import (
+    KV_EVENTS_PORT,
+    REPLICA_PORT,
+    ServingSpec,
+    kv_events_args,
+    replica_argv,
+    replica_name,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker" / "compose.yaml"
 K8S_REPLICAS_FILE = ROOT / "deploy" / "k8s" / "base" / "replicas.yaml"
 BEGIN = "  # BEGIN generated replicas (manage.py deploy_files; do not edit by hand)\n"
 END = "  # END generated replicas\n"
+KV_EVENTS_BEGIN = (
+    "      # BEGIN generated kv events (manage.py deploy_files; do not edit by hand)\n"
+)
+KV_EVENTS_END = "      # END generated kv events\n"
 VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
 FAIRWAY_IMAGE = "${FAIRWAY_IMAGE:-fairway:dev}"
 REPLICAS_PER_VERSION = 2
@@ -56,10 +74,14 @@ def demo_fleet() -> Fleet:
     return Fleet(tuple(ServingSpec.of(m) for m in MODELS))
 
 
+def replica_url(host: str) -> str:
+    return f"http://{host}:{REPLICA_PORT}"
+
+
 def seed_args(fleet: Fleet, hosts: Any) -> list[str]:
     args: list[str] = []
     for spec in fleet.specs:
-        urls = ",".join(f"http://{h}:{REPLICA_PORT}" for h in hosts(spec))
+        urls = ",".join(replica_url(h) for h in hosts(spec))
         args += ["--replicas", f"{spec.version}={urls}"]
     return args
 
@@ -101,7 +123,8 @@ def compose_services(fleet: Fleet) -> dict[str, Any]:
                 "image": FAIRWAY_IMAGE,
                 "profiles": ["emulator"],
                 "entrypoint": ["/usr/local/bin/entrypoint.sh", "run"],
-                "command": replica_argv(spec, engine="emulator"),
+                "command": replica_argv(spec, engine="emulator") + kv_events_args(),
+                "expose": [str(REPLICA_PORT), str(KV_EVENTS_PORT)],
                 "environment": {"FAIRWAY_ROLE": "emulator", "PORT": str(REPLICA_PORT)},
                 "networks": {"default": {"aliases": [host]}},
                 "restart": "unless-stopped",
@@ -156,11 +179,32 @@ def compose_block(fleet: Fleet) -> str:
     return BEGIN + body + END
 
 
-def render_compose(current: str, fleet: Fleet) -> str:
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.DOTALL)
+def kv_event_endpoints(fleet: Fleet) -> dict[str, str]:
+    """Replica id -> its KV-event endpoint, for every compose replica: the gateways'
+    ``GATEWAY_PREFIX_KV_EVENTS``."""
+    return {
+        replica_name(spec.version, replica_url(host)): f"tcp://{host}:{KV_EVENTS_PORT}"
+        for spec in fleet.specs
+        for host in fleet.compose_hosts(spec)
+    }
+
+
+def kv_events_block(fleet: Fleet) -> str:
+    value = ",".join(f"{rid}={ep}" for rid, ep in kv_event_endpoints(fleet).items())
+    line = _dump({"GATEWAY_PREFIX_KV_EVENTS": value}).strip()
+    return KV_EVENTS_BEGIN + f"      {line}\n" + KV_EVENTS_END
+
+
+def _region(current: str, begin: str, end: str, block: str, what: str) -> str:
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
     if not pattern.search(current):
-        raise ValueError("docker/compose.yaml has no generated-replicas markers")
-    return pattern.sub(lambda _: compose_block(fleet), current, count=1)
+        raise ValueError(f"docker/compose.yaml has no generated-{what} markers")
+    return pattern.sub(lambda _: block, current, count=1)
+
+
+def render_compose(current: str, fleet: Fleet) -> str:
+    text = _region(current, BEGIN, END, compose_block(fleet), "replicas")
+    return _region(text, KV_EVENTS_BEGIN, KV_EVENTS_END, kv_events_block(fleet), "kv events")
 
 
 # -- kubernetes ---------------------------------------------------------------------------

@@ -21,15 +21,19 @@ profile and its KV budget from the catalog.
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from contracts.replica_flags import platform_replica_args
 
 Engine = Literal["vllm", "emulator"]
 ENGINES: tuple[Engine, ...] = ("vllm", "emulator")
 REPLICA_PORT = 8000
+# vLLM's default KV-cache event endpoint port (``KVEventsConfig.endpoint``).
+KV_EVENTS_PORT = 5557
 LONG_PREFILL_FRACTION = 0.04
 
 
@@ -133,6 +137,20 @@ def replica_argv(
             *tool_args,
         ]
     raise ValueError(f"unknown engine {engine!r}; one of {ENGINES}")
+
+
+def replica_name(version: str, base_url: str) -> str:
+    """The catalog's name of a replica, which the read model carries as its ``replica_id``
+    (what a gateway's ``GATEWAY_PREFIX_KV_EVENTS`` keys a replica's event endpoint by)."""
+    return f"{version}@{urlsplit(base_url).netloc}"
+
+
+def kv_events_args(port: int = KV_EVENTS_PORT) -> list[str]:
+    """vLLM's ``--kv-events-config``: publish the replica's KV-cache events (blocks stored,
+    evicted, cleared) over ZMQ on ``port``, for the gateways' cache-aware index. The emulator
+    takes the same flag."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
 
 
 def shell(argv: list[str]) -> str:

@@ -6,6 +6,11 @@ records and encoding (``schema``), the change announcement (``publish``), the AP
 defaults both sides must agree on (``defaults``). ``readmodel_writer`` writes the read model
 without Django, for the tests and the benchmarks.
 
+And what the gateway must compute exactly as the replicas do: the replica flags the platform
+depends on (``replica_flags``), the prefix-cache block hashes (``blockhash``) and the emulated
+model's prompt tokenizer (``tokenizer``) that cache-aware routing hashes; the emulated replica
+imports the same modules, and the gateway never imports the emulator.
+
 This package imports nothing from the gateway, the emulator, Django or the control-plane
 apps (``make lint`` checks it with import-linter), so either side can depend on it.
 """

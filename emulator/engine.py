@@ -136,7 +136,7 @@ class EngineConfig:
     # Emulator-only (vLLM has no such knob): the most of the prefix cache one cache salt may
     # keep before it recycles its own cached blocks (``emulator.kv``); 0 = off.
     tenant_cache_share: float = 0.0
-    # vLLM ``--prefix-caching-hash-algo`` (``emulator.kv.get_hasher``): the emulator's own
+    # vLLM ``--prefix-caching-hash-algo`` (``contracts.blockhash.get_hasher``): the emulator's own
     # chain hash by default, or vLLM's ``sha256``/``sha256_cbor``, whose first parent derives
     # from ``prefix_hash_seed`` (vLLM reads it from PYTHONHASHSEED; None: random, as vLLM).
     prefix_caching_hash_algo: str = "emulator"

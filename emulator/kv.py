@@ -24,32 +24,48 @@
   recently used idle cached block is reused instead — a tenant churning unique prompts
   recycles its own cache rather than evicting everyone else's.
 
-Hash schemes (``get_hasher``; the replica's ``--prefix-caching-hash-algo``, the gateway's
-``GATEWAY_PREFIX_HASH``): ``emulator``, the default, is CPython ``hash()`` of tuples of ints only
-(no str, no None: those hash differently in every process), so a router in another process
-computes the same chains. ``sha256`` and ``sha256_cbor`` are vLLM v1's construction: each
-full block is SHA-256 of the serialisation (pickle at the highest protocol, or canonical
-CBOR) of ``(parent hash, tuple of the block's token ids, extra keys)``; the first block's
-parent is ``NONE_HASH`` = the same function applied to the ``PYTHONHASHSEED`` string (random
-when unset: nobody outside the replica can then reproduce its hashes), and its extra keys are
-``(cache_salt,)`` when the request has a salt, else None (None on every later block). A hash is
-kept as the big-endian integer of its 32-byte digest; ``& MASK64`` of it is what vLLM publishes
-in KV events with integer block hashes (the digest's last 8 bytes).
+Hash schemes: ``contracts.blockhash`` (shared with the gateway, which must compute the
+same chains; it does not import the emulator).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import pickle
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Literal, get_args
 
-NONE_HASH = 0x5EED_BA5E_0000_0001  # parent of the first block (vLLM: NONE_HASH)
-CACHE_SALT_TAG = 0x5A17_0000_0000_0001  # stands for vLLM's ("cache_salt", salt) extra key
+# The hash schemes live in contracts (the gateway computes the same chains); re-exported for
+# the emulator's own modules and tests.
+from contracts.blockhash import (
+    CACHE_SALT_TAG,
+    EMULATOR_HASHER,
+    HASH_ALGOS,
+    NONE_HASH,
+    BlockHasher,
+    HashAlgo,
+    cbor_canonical,
+    chain_hashes,
+    get_hasher,
+    salt_key,
+)
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockHasher",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "CACHE_SALT_TAG",
+    "EMULATOR_HASHER",
+    "HASH_ALGOS",
+    "HashAlgo",
+    "KVEvent",
+    "NONE_HASH",
+    "cbor_canonical",
+    "chain_hashes",
+    "get_hasher",
+    "salt_key",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,175 +88,6 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-def salt_key(cache_salt: str | None) -> int:
-    """The first block's extra key for a salt; unsalted requests share one chain."""
-    if cache_salt is None:
-        return NONE_HASH
-    digest = hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=8).digest()
-    # ints only: hash() of a str is salted per process (PYTHONHASHSEED), and a router
-    # outside the replica must compute the same chain
-    return hash((CACHE_SALT_TAG, int.from_bytes(digest, "little")))
-
-
-def chain_hashes(
-    token_ids: Sequence[int],
-    block_size: int,
-    start_block: int,
-    parent: int,
-    first_extra: int,
-    out: list[int],
-) -> None:
-    """Append hashes of full blocks ``start_block..`` of ``token_ids`` to ``out``."""
-    num_full = len(token_ids) // block_size
-    for index in range(start_block, num_full):
-        tokens = tuple(token_ids[index * block_size : (index + 1) * block_size])
-        # 0, not None, for "no extra key": before Python 3.12 hash(None) is the object's
-        # address, which differs between processes
-        parent = hash((parent, tokens, first_extra if index == 0 else 0))
-        out.append(parent)
-
-
-HashAlgo = Literal["emulator", "sha256", "sha256_cbor"]
-HASH_ALGOS: tuple[str, ...] = get_args(HashAlgo)
-
-
-def cbor_canonical(obj: object) -> bytes:
-    """Canonical CBOR (RFC 8949 §4.2.1, as ``cbor2.dumps(obj, canonical=True)``) of what a
-    block hash serialises: unsigned and negative 64-bit ints, bytes, str, None, booleans,
-    and tuples or lists of them (arrays)."""
-    out = bytearray()
-    _cbor(obj, out)
-    return bytes(out)
-
-
-def _cbor_head(major: int, n: int, out: bytearray) -> None:
-    if n < 24:
-        out.append(major << 5 | n)
-    elif n < 1 << 8:
-        out += bytes((major << 5 | 24, n))
-    elif n < 1 << 16:
-        out.append(major << 5 | 25)
-        out += n.to_bytes(2, "big")
-    elif n < 1 << 32:
-        out.append(major << 5 | 26)
-        out += n.to_bytes(4, "big")
-    elif n < 1 << 64:
-        out.append(major << 5 | 27)
-        out += n.to_bytes(8, "big")
-    else:
-        raise ValueError("CBOR: integer beyond 64 bits")
-
-
-_CBOR_UINTS: dict[int, bytes] = {}  # token ids recur: their encodings are kept (< 2**20)
-
-
-def _cbor_uint(n: int) -> bytes:
-    enc = _CBOR_UINTS.get(n)
-    if enc is None:
-        buf = bytearray()
-        _cbor_head(0, n, buf)
-        enc = bytes(buf)
-        if n < 1 << 20:
-            _CBOR_UINTS[n] = enc
-    return enc
-
-
-def _cbor(obj: object, out: bytearray) -> None:
-    if type(obj) is int and obj >= 0:
-        out += _cbor_uint(obj)
-    elif obj is None:
-        out.append(0xF6)
-    elif obj is True or obj is False:
-        out.append(0xF5 if obj else 0xF4)
-    elif isinstance(obj, int):
-        if obj >= 0:
-            _cbor_head(0, obj, out)
-        else:
-            _cbor_head(1, -1 - obj, out)
-    elif isinstance(obj, bytes):
-        _cbor_head(2, len(obj), out)
-        out += obj
-    elif isinstance(obj, str):
-        raw = obj.encode("utf-8")
-        _cbor_head(3, len(raw), out)
-        out += raw
-    elif isinstance(obj, tuple | list):
-        _cbor_head(4, len(obj), out)
-        for item in obj:
-            _cbor(item, out)
-    else:
-        raise TypeError(f"CBOR: cannot encode {type(obj).__name__}")
-
-
-def _pickle_sha256(obj: object) -> bytes:
-    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-
-
-def _cbor_sha256(obj: object) -> bytes:
-    return hashlib.sha256(cbor_canonical(obj)).digest()
-
-
-class BlockHasher:
-    """One prefix-cache hash scheme: ``first_extra(salt)`` is the first block's extra key for
-    a request's cache salt, ``chain`` appends the hashes of full blocks ``start_block..`` of
-    ``token_ids`` to ``out`` (``parent``: the previous block's hash, 0 for none).
-
-    Without ``serialize``, the emulator's chain hash. With it, vLLM v1's construction (see the
-    module doc): ``serialize`` is pickle or canonical CBOR then SHA-256, ``seed`` the
-    replicas' ``PYTHONHASHSEED`` (None: a random ``NONE_HASH``, as vLLM)."""
-
-    def __init__(
-        self,
-        name: str = "emulator",
-        serialize: Callable[[object], bytes] | None = None,
-        seed: str | None = None,
-    ) -> None:
-        self.name = name
-        self._hash = serialize
-        self.none_hash = b""
-        if serialize is not None:
-            self.none_hash = serialize(seed) if seed is not None else os.urandom(32)
-
-    def first_extra(self, cache_salt: str | None) -> Hashable:
-        if self._hash is None:
-            return salt_key(cache_salt)
-        return (cache_salt,) if cache_salt else None
-
-    def chain(
-        self,
-        token_ids: Sequence[int],
-        block_size: int,
-        start_block: int,
-        parent: int,
-        first_extra: Hashable,
-        out: list[int],
-    ) -> None:
-        h = self._hash
-        if h is None:
-            chain_hashes(token_ids, block_size, start_block, parent, first_extra, out)  # type: ignore[arg-type]
-            return
-        digest = self.none_hash if start_block == 0 or not parent else parent.to_bytes(32, "big")
-        for index in range(start_block, len(token_ids) // block_size):
-            tokens = tuple(token_ids[index * block_size : (index + 1) * block_size])
-            digest = h((digest, tokens, first_extra if index == 0 else None))
-            out.append(int.from_bytes(digest, "big"))
-
-
-EMULATOR_HASHER = BlockHasher()
-
-
-@lru_cache(maxsize=16)
-def get_hasher(algo: str = "emulator", seed: str | None = None) -> BlockHasher:
-    """The scheme named ``algo`` (``HASH_ALGOS``); ``seed`` only matters to vLLM's."""
-    if algo == "emulator":
-        return EMULATOR_HASHER
-    if algo == "sha256":
-        return BlockHasher(algo, _pickle_sha256, seed)
-    if algo == "sha256_cbor":
-        return BlockHasher(algo, _cbor_sha256, seed)
-    raise ValueError(f"unknown prefix-caching hash algo {algo!r}; known: {HASH_ALGOS}")
 
 
 class BlockPool:

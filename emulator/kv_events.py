@@ -22,11 +22,12 @@ What a subscriber (a KV-aware router) sees is what vLLM 0.33 sends:
 * with ``replay_endpoint`` a ROUTER socket answers ``[identity, b"", start_seq]`` with every
   buffered ``(seq, payload)`` from ``start_seq`` on, then ``(-1 as 8 signed bytes, b"")``.
 
-Block hashes are the engine's hash scheme's (``emulator.kv.get_hasher``). With the emulator's
-own chain hash they go out as unsigned 64-bit ints; with vLLM's ``sha256``/``sha256_cbor``
-they go out as vLLM sends them by default, the 32-byte digests (vLLM sends the digest's last
-8 bytes as an int instead with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``; a subscriber that
-keys on ``int.from_bytes(digest, "big") & MASK64`` reads both alike).
+Block hashes are the engine's hash scheme's (``contracts.blockhash.get_hasher``). With the
+emulator's own chain hash they go out as unsigned 64-bit ints; with vLLM's
+``sha256``/``sha256_cbor`` they go out as vLLM sends them by default, the 32-byte digests
+(vLLM sends the digest's last 8 bytes as an int instead with
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``; a subscriber that keys on
+``int.from_bytes(digest, "big") & MASK64`` reads both alike).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import orjson
 
+from contracts.blockhash import HASH_ALGOS
 from contracts.defaults import (
     DEFAULT_REDIS_URL,
     DEV_CACHE_SALT_KEY,
@@ -23,7 +24,6 @@ from contracts.defaults import (
     MIN_SECRET_BYTES,
     is_redis_url,
 )
-from emulator.kv import HASH_ALGOS
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.prefix import parse_endpoints
 from gateway.admission.tokens import ExactCounter
@@ -185,7 +185,7 @@ class GatewayConfig:
     prefix_index_blocks: int = 200_000
     prefix_index_ttl_s: float = 600.0
     prefix_kv_events: Mapping[str, str] = field(default_factory=dict)
-    # The replicas' block hash scheme (``emulator.kv.get_hasher``: emulator, sha256,
+    # The replicas' block hash scheme (``contracts.blockhash.get_hasher``: emulator, sha256,
     # sha256_cbor) and, for vLLM's, their PYTHONHASHSEED (required: without it a replica's
     # first block hash is random and KV events cannot be matched).
     prefix_hash: str = "emulator"

@@ -128,6 +128,10 @@ class AdmissionConfig:
     # runs at once (vLLM's --max-long-partial-prefills, default 1).
     long_context_replica_share: float = 0.25
     long_prefill_slots_per_replica: int = 1
+    # A long prefill holds its slot until the request's first token arrives; this multiple
+    # of its upper-bound prefill time (estimates.prefill_bound_seconds) is only the safety
+    # expiry for a release that never comes (docs/design.md §7 "Long contexts").
+    long_prefill_hold_factor: float = 2.0
     # A tenant competes for the long-context budget (max-min fair share) while it asked for
     # it within this window.
     long_context_demand_window_s: float = 15.0
@@ -195,6 +199,8 @@ class AdmissionConfig:
             raise ValueError("affinity_tenant_replicas >= 0")
         if self.long_prefill_slots_per_replica < 1 or self.long_context_demand_window_s <= 0:
             raise ValueError("long_prefill_slots_per_replica >= 1, demand window > 0")
+        if self.long_prefill_hold_factor < 1:
+            raise ValueError("long_prefill_hold_factor >= 1")
         if self.strategy not in get_args(Strategy):
             raise ValueError(f"strategy must be one of {get_args(Strategy)}")
         unknown = set(self.layers) - set(LAYERS)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ from gateway.admission.estimates import (
     est_out_for_kv,
     expected_duration_ms,
     long_context_threshold,
+    prefill_bound_seconds,
     prefill_seconds,
     to_milli,
     tokens_estimate,
@@ -251,6 +253,15 @@ class AdmissionController:
             prefill_slots=slots,
             prefill_ms=max(1, int(prefill_seconds(req.prompt_tokens_est, version) * 1000)),
             demand_window_ms=int(cfg.long_context_demand_window_s * 1000),
+            # held until the first token (``prefill_done``); this only bounds a lost release
+            prefill_hold_ms=max(
+                1,
+                math.ceil(
+                    cfg.long_prefill_hold_factor
+                    * prefill_bound_seconds(req.prompt_tokens_est, version)
+                    * 1000
+                ),
+            ),
         )
 
     def output_growth_bytes(self, req: AdmissionRequest) -> int:
@@ -640,6 +651,19 @@ class AdmissionController:
             code="capacity",
             headers={**headers, **retry_headers(capacity_retry_after_ms(self._cfg, self._rng))},
         )
+
+    # -- first token ---------------------------------------------------------------------
+    async def prefill_done(self, ticket: Ticket) -> None:
+        """The request's first token arrived, so its prefill is over: a long-context
+        request gives its prefill slot back to the budget now (its KV stays held until
+        ``settle``). Other requests hold no slot: nothing to do, no round trip."""
+        grant = ticket.grant
+        if grant is None or grant.long_tag is None or ticket.settled:
+            return
+        try:
+            await self._limiter.prefill_done(grant)
+        except Exception:  # noqa: BLE001 - never into the relay; the expiry bounds the slot
+            log.exception("prefill release failed for %s", ticket.request_id)
 
     # -- settle --------------------------------------------------------------------------
     async def settle(

@@ -79,3 +79,18 @@ def prefill_seconds(prompt_tokens: int, version: ModelVersionLike) -> float:
     prompt, whose attention grows with its length, takes longer than this)."""
     rate = prefill_rate(version)
     return max(0, prompt_tokens) / rate if rate > 0 else 0.0
+
+
+def prefill_bound_seconds(prompt_tokens: int, version: ModelVersionLike) -> float:
+    """An upper bound on the prompt's prefill time on one replica of the profile, attention
+    included, from what the version pushes. A prefill's cost per token grows linearly
+    with the context before it (matmuls plus attention over every earlier token, see
+    emulator/profiles.py), so its time is ``a*n + b*n*n`` with a, b >= 0. The pushed rate
+    says the threshold prompt ``n0`` takes the TTFT target ``T``; for ``n >= n0`` the
+    time is at most ``T * (n / n0)**2`` (all of ``T`` taken as attention), which is the
+    linear estimate times ``n / n0``. Below the threshold the linear estimate bounds it.
+    0 when the rate is unknown."""
+    linear = prefill_seconds(prompt_tokens, version)
+    if linear <= 0:
+        return 0.0
+    return linear * max(1.0, prompt_tokens / long_context_threshold(version))

@@ -5,12 +5,13 @@
 request's ``cache_salt`` (the gateway sets it per tenant), so two tenants never share a chain
 and an index keyed by these hashes can never match across tenants. ``prompt_token_ids`` and
 ``block_hashes`` reproduce the replicas' computation exactly: the chat template and tokenizer
-rules and the chain hash of the emulated fleet (``emulator.tokenizer``, ``emulator.kv``;
-imported, not copied, so they cannot drift). Only the blocks a replica can serve from cache
+rules and the chain hash of the emulated fleet (``contracts.tokenizer``,
+``contracts.blockhash``, which the emulator imports too: shared, not copied, so they cannot
+drift; the gateway never imports the emulator). Only the blocks a replica can serve from cache
 count: vLLM recomputes at least the prompt's last token, so ``(n - 1) // block_size``
 blocks.
 
-The hash scheme is selectable (``emulator.kv.get_hasher``; ``GATEWAY_PREFIX_HASH``, and
+The hash scheme is selectable (``contracts.blockhash.get_hasher``; ``GATEWAY_PREFIX_HASH``, and
 the replica's ``--prefix-caching-hash-algo``): the emulator's chain hash by default, or vLLM
 v1's ``sha256``/``sha256_cbor`` construction seeded by the replicas' ``PYTHONHASHSEED``
 (``GATEWAY_PREFIX_HASH_SEED``). The index keys on the low 64 bits (``& MASK64``) of either,
@@ -33,7 +34,8 @@ LRU order with a last-seen time. Two writers:
   replica actually stored and evicted, for every gateway process alike.
 
 ``match`` walks the request's chain once per replica and stops at the first unknown block,
-as the replica's own lookup does.
+as the replica's own lookup does; ``match_query`` walks a lazy ``PrefixQuery`` block by block
+across the replicas and stops at the first block none of them holds, hashing no further.
 """
 
 from __future__ import annotations
@@ -45,11 +47,10 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from emulator.kv import EMULATOR_HASHER, BlockHasher, salt_key
-from emulator.tokenizer import Tokenizer
+from contracts.blockhash import EMULATOR_HASHER, BlockHasher, salt_key
+from contracts.tokenizer import PromptTokenizer
 
 log = logging.getLogger("gateway.prefix")
 
@@ -59,22 +60,135 @@ MASK64 = (1 << 64) - 1
 PLACEMENT_BLOCK = 3
 
 
-@dataclass(frozen=True, slots=True)
 class PrefixQuery:
-    """What the router needs of one request to weigh cache affinity."""
+    """What the router needs of one request to weigh cache affinity, computed lazily.
 
-    tenant_id: str
-    block_hashes: tuple[int, ...]  # cacheable full blocks, in chain order
-    block_size: int
-    prompt_tokens: int  # tokens examined (a long prompt's first ``max_blocks`` blocks)
-    # Placement key for a prefix no replica holds: the client's ``prompt_cache_key`` (or
-    # ``user``) hashed with the tenant's salt, else the chain hash at ``PLACEMENT_BLOCK``.
-    placement_key: int
-    hinted: bool = False  # the key is the client's hint, not a chain hash
+    A chain hash means nothing past the first block no replica holds (the replica's own
+    lookup stops there too), so the hot path hashes only as far as the index can follow:
+    ``make_query`` tokenizes the first ``PLACEMENT_BLOCK`` blocks (enough for the placement
+    key, and for a prompt that cannot fill one block, all of it), ``PrefixIndex.match_query``
+    hashes further only while some replica holds the chain, and the rest — every block, for
+    the index's record of the dispatch — is computed by ``settle`` after the upstream
+    request left (``Router.on_dispatch`` defers it). ``block_hashes`` and ``prompt_tokens``
+    settle the query first, so they always give the whole (capped) prompt's figures."""
+
+    __slots__ = (
+        "tenant_id",
+        "block_size",
+        "placement_key",
+        "hinted",
+        "_messages",
+        "_cap",
+        "_tokens",
+        "_tokenized",
+        "_hasher",
+        "_extra",
+        "_hashes",
+    )
+
+    def __init__(
+        self,
+        tenant_id: str,
+        block_size: int,
+        tokens: Sequence[int],
+        *,
+        cache_salt: str,
+        hasher: BlockHasher = EMULATOR_HASHER,
+        hint: str | None = None,
+        messages: Sequence[Mapping[str, str]] = (),
+        cap: int = 0,
+    ) -> None:
+        """``tokens``: the prompt's token ids; with ``messages``, only the first ones of
+        those messages' prompt, whose first ``cap`` tokens are the whole query."""
+        self.tenant_id = tenant_id
+        self.block_size = block_size
+        self._messages = messages
+        self._cap = cap
+        self._tokens = tokens
+        self._tokenized = not messages
+        self._hasher = hasher
+        self._extra = hasher.first_extra(cache_salt)
+        self._hashes: list[int] = []
+        self.hinted = hint is not None
+        # Placement key for a prefix no replica holds: the client's ``prompt_cache_key`` (or
+        # ``user``) hashed with the tenant's salt, else the chain hash at ``PLACEMENT_BLOCK``.
+        if hint is not None:
+            self.placement_key = hint_key(hint, cache_salt)
+        elif self.hash_at(0) is not None:
+            if self.hash_at(PLACEMENT_BLOCK - 1) is None:  # a whole prompt of fewer blocks
+                self.settle()
+            self.placement_key = self._hashes[min(len(self._hashes), PLACEMENT_BLOCK) - 1] & MASK64
+        else:  # under one block: nothing to share, spread like any unique prompt
+            self.placement_key = hash((salt_key(cache_salt), tuple(tokens))) & MASK64
+
+    def _usable(self) -> int:
+        """Cacheable blocks among the tokens known: vLLM recomputes at least the prompt's
+        last token, so ``(n - 1) // block_size`` of a whole prompt; of a prompt known only
+        in part (``n`` tokens, more to come) all ``n // block_size`` are full and usable."""
+        n = len(self._tokens)
+        if not n:
+            return 0
+        return (n - 1) // self.block_size if self._tokenized else n // self.block_size
+
+    def _tokenize(self) -> None:
+        if not self._tokenized:
+            self._tokens = prompt_token_ids(self._messages, self._cap)
+            self._tokenized = True
+
+    def hash_at(self, index: int) -> int | None:
+        """Block ``index``'s chain hash, or None past the prompt's cacheable blocks. Hashes
+        ahead in doubling steps (linear in all), tokenizing the rest of the prompt only when
+        the known tokens run out."""
+        hashes = self._hashes
+        if index < len(hashes):
+            return hashes[index]
+        if index >= self._usable():
+            self._tokenize()
+        usable = self._usable()
+        if index >= usable:
+            return None
+        have = len(hashes)
+        end = min(usable, max(index + 1, 2 * have))
+        self._hasher.chain(
+            self._tokens, self.block_size, have, hashes[-1] if have else 0, self._extra, hashes, end
+        )
+        return hashes[index]
+
+    def known_hashes(self) -> Sequence[int]:
+        """The blocks hashed so far: a prefix of ``block_hashes`` (no work)."""
+        return self._hashes
+
+    @property
+    def known_prompt_tokens(self) -> int:
+        """The prompt tokens counted so far: ``prompt_tokens`` once settled, less before."""
+        return len(self._tokens)
+
+    @property
+    def settled(self) -> bool:
+        return self._tokenized and len(self._hashes) == self._usable()
+
+    def settle(self) -> None:
+        """Tokenize and hash the whole (capped) prompt."""
+        self._tokenize()
+        usable = self._usable()
+        if len(self._hashes) < usable:
+            self.hash_at(usable - 1)
+
+    @property
+    def block_hashes(self) -> tuple[int, ...]:
+        """Cacheable full blocks, in chain order (settles the query)."""
+        self.settle()
+        return tuple(self._hashes)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens examined: a long prompt's first ``max_blocks`` blocks (settles)."""
+        self._tokenize()
+        return len(self._tokens)
 
 
 # One per process: its word cache is bounded by the tokenizer itself.
-_TOKENIZER = Tokenizer()
+_TOKENIZER = PromptTokenizer()
 
 
 def prompt_token_ids(messages: Sequence[Mapping[str, str]], limit: int | None = None) -> list[int]:
@@ -148,11 +262,26 @@ def make_query(
     max_blocks: int = 2048,
     hasher: BlockHasher = EMULATOR_HASHER,
 ) -> PrefixQuery:
-    """A request's query. At most ``max_blocks`` leading blocks are hashed: it bounds the
-    hot path's cost for very long prompts (tokenizing and hashing ~60 ns a token here),
-    and a match that long already decides the choice."""
-    tokens = prompt_token_ids(messages, max_blocks * block_size + 1)
-    return query_from_tokens(tenant_id, tokens, cache_salt, block_size, hint, hasher)
+    """A request's query. At most ``max_blocks`` leading blocks are ever hashed: it bounds
+    the cost for very long prompts (tokenizing and hashing ~60 ns a token here), and a match
+    that long already decides the choice. Only the first ``PLACEMENT_BLOCK`` blocks are
+    tokenized and hashed here (a prompt that cannot fill one block: all of it, and no hash);
+    the rest when the index follows the chain, or when the dispatch is recorded
+    (``PrefixQuery``)."""
+    cap = max_blocks * block_size + 1
+    head = min(cap, PLACEMENT_BLOCK * block_size + 1)
+    tokens = prompt_token_ids(messages, head)
+    more = len(tokens) == head < cap  # cut at ``head``: the prompt may go on
+    return PrefixQuery(
+        tenant_id,
+        block_size,
+        tokens,
+        cache_salt=cache_salt,
+        hasher=hasher,
+        hint=hint,
+        messages=messages if more else (),
+        cap=cap,
+    )
 
 
 def query_from_tokens(
@@ -163,15 +292,9 @@ def query_from_tokens(
     hint: str | None = None,
     hasher: BlockHasher = EMULATOR_HASHER,
 ) -> PrefixQuery:
-    hashes = block_hashes(tokens, block_size, cache_salt, hasher)
-    if hint is not None:
-        key = hint_key(hint, cache_salt)
-    elif hashes:
-        key = hashes[min(len(hashes), PLACEMENT_BLOCK) - 1] & MASK64
-    else:  # under one block: nothing to share, spread like any unique prompt
-        key = hash((salt_key(cache_salt), tuple(tokens))) & MASK64
+    """The query of a prompt already tokenized (all of ``tokens``)."""
     return PrefixQuery(
-        tenant_id, tuple(hashes), block_size, len(tokens), key, hinted=hint is not None
+        tenant_id, block_size, tokens, cache_salt=cache_salt, hasher=hasher, hint=hint
     )
 
 
@@ -258,6 +381,40 @@ class PrefixIndex:
                     break
                 n += 1
             out[rid] = n
+        return out
+
+    def match_query(self, query: PrefixQuery, replica_ids: Iterable[str]) -> dict[str, int]:
+        """``match`` of the query's chain, hashing it only as far as some replica holds it:
+        block by block across the replicas, stopping at the first block none holds (nothing
+        after it can match), so a prompt nobody holds costs one lookup per replica."""
+        now = self._clock()
+        out: dict[str, int] = {}
+        live: list[tuple[str, OrderedDict[int, float]]] = []
+        for rid in replica_ids:
+            out[rid] = 0
+            held = self._blocks.get(rid)
+            if held:
+                self._expire(held, now)
+                if held:
+                    live.append((rid, held))
+        # In chunks of what the query has hashed (it hashes ahead in doubling steps):
+        # each replica still matching walks the chunk, as ``match`` walks the chain.
+        hashes = query.known_hashes()
+        index = 0
+        while live:
+            if index >= len(hashes) and query.hash_at(index) is None:
+                break
+            end = len(hashes)
+            still = []
+            for rid, held in live:
+                n = index
+                while n < end and hashes[n] & MASK64 in held:
+                    n += 1
+                out[rid] = n
+                if n == end:
+                    still.append((rid, held))
+            live = still
+            index = end
         return out
 
     def apply_events(self, replica_id: str, events: Sequence[Mapping[str, Any]]) -> None:

@@ -21,7 +21,9 @@ one slot):
   Its settle releases the two leases in parallel and renewal extends both, each in its own
   slot. A short request reads the ledger's total for placement at most every
   ``LONG_READ_INTERVAL_S`` per version, beside its admit call (in parallel, not waited for
-  longer than the admit).
+  longer than the admit). On either layout a long-context request's first token releases
+  its prefill slot with ``LONG_CONTEXT_LUA``'s ``prefilled`` action (``prefill_done``: one
+  call on the ledger's slot; the KV stays held until settle).
 
 Redis Cluster: the key layout rule (every key the gateway or the control plane writes
 follows it; add keys by it):
@@ -145,7 +147,9 @@ TENANT_RETRY_BUDGET = 6
 LONG_READ_INTERVAL_S = 0.25
 
 # The fleet's long-context ledger, as Lua functions over its three keys (``long_context_tag``:
-# ``l`` the leases "<kv bytes>:<prefill end ms>:<expected end ms>:<tenant>" with their sum '#',
+# ``l`` the leases "<kv bytes>:<prefill end ms>:<expected end ms>:<tenant>" with their sum '#'
+# (the prefill end is a safety expiry: ``lc_prefilled`` moves it to the first token's arrival,
+# docs/design.md §7 "Long contexts"),
 # each tenant's 'u:<tenant>' and its last admission 's:<tenant>' (ms), ``e`` the lease
 # deadlines, ``w`` the tenants refused within the demand window). Prepended to the scripts
 # that touch it: on a single Redis the admit and settle scripts take the ledger's keys beside
@@ -186,6 +190,17 @@ local function lc_unserve(l, w, id, now)
   end
   redis.call('ZADD', w, now, who)
 end
+-- The request's first token arrived: its prefill is over, so it stops holding a prefill
+-- slot now (its KV stays until settle). A lease already past its prefill end, or gone
+-- (settled, reclaimed), is left as it is. Returns 1 when it released a slot.
+local function lc_prefilled(l, id, now)
+  local v = redis.call('HGET', l, id)
+  if not v then return 0 end
+  local kv, pe, rest = string.match(v, '^(%d+):(%d+):(.*)$')
+  if not pe or tonumber(pe) <= now then return 0 end
+  redis.call('HSET', l, id, kv .. ':' .. now .. ':' .. rest)
+  return 1
+end
 local function lc_reclaim(l, e, now, limit)
   local n = 0
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', e, '-inf', now, 'LIMIT', 0, limit)) do
@@ -194,8 +209,10 @@ local function lc_reclaim(l, e, now, limit)
   return n
 end
 -- KV in flight and concurrent long prefills, shared max-min fairly among the tenants that
--- asked within the demand window. nil: admit; otherwise the wait (ms) before asking again.
-local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total)
+-- asked within the demand window. nil: admit; otherwise the wait (ms) before asking again
+-- (a busy prefill slot frees at a first token nobody can predict: the asker's own prefill
+-- estimate, ``prefill_ms``, stands in for when).
+local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total, prefill_ms)
   local all = redis.call('HGETALL', l)
   local usage, served, prefilling, first_end, first_prefill = {}, {}, 0, nil, nil
   for i = 1, #all, 2 do
@@ -262,12 +279,14 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total)
   redis.call('ZADD', w, now, tenant)
   redis.call('PEXPIRE', w, window + 60000)
   local at = first_end or (now + 1000)
-  if prefilling >= slots and first_prefill then at = math.min(at, first_prefill) end
+  if prefilling >= slots and first_prefill then
+    at = math.min(at, first_prefill, now + prefill_ms)
+  end
   return math.max(1000, at - now)
 end
-local function lc_charge(l, e, w, now, rid, tenant, need, prefill_ms, expected_ms, lease_ms)
+local function lc_charge(l, e, w, now, rid, tenant, need, hold_ms, expected_ms, lease_ms)
   redis.call('HSET', l, rid,
-             need .. ':' .. (now + prefill_ms) .. ':' .. (now + expected_ms) .. ':' .. tenant)
+             need .. ':' .. (now + hold_ms) .. ':' .. (now + expected_ms) .. ':' .. tenant)
   redis.call('HINCRBY', l, '#', need)
   redis.call('HINCRBY', l, 'u:' .. tenant, need)
   -- its last admission (yields_to_waiting), and the one before for lc_unserve
@@ -283,9 +302,10 @@ end
 
 # The long-context ledger alone, on its own slot (Redis Cluster; see the module doc).
 # ARGV: 'claim', lease id, tenant, need (0: only read the total), budget, prefill slots,
-# prefill ms, demand window ms, lease ms, expected ms, reclaim limit -> {admitted, wait ms,
-# KV in flight after the call, reclaimed}; or 'release', lease id, never ran (1/0: see
-# lc_unserve) -> released (0/1).
+# prefill ms, demand window ms, lease ms, expected ms, reclaim limit, prefill hold ms (the
+# safety expiry; absent: prefill ms) -> {admitted, wait ms, KV in flight after the call,
+# reclaimed}; or 'release', lease id, never ran (1/0: see lc_unserve) -> released (0/1); or
+# 'prefilled', lease id (its first token arrived: lc_prefilled) -> released a slot (0/1).
 LONG_CONTEXT_LUA = (
     LEDGER_LUA
     + """
@@ -296,15 +316,18 @@ if ARGV[1] == 'release' then
   if ARGV[3] == '1' then lc_unserve(KEYS[1], KEYS[3], rid, now) end
   return lc_drop(KEYS[1], KEYS[2], rid)
 end
+if ARGV[1] == 'prefilled' then return lc_prefilled(KEYS[1], rid, now) end
 local tenant, need, budget = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local slots, prefill_ms, window = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local lease_ms, expected_ms, limit = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+local hold_ms = tonumber(ARGV[12] or ARGV[7])
 local reclaimed = lc_reclaim(KEYS[1], KEYS[2], now, limit)
 local total = tonumber(redis.call('HGET', KEYS[1], '#') or '0')
 if need > 0 then
-  local wait = lc_refusal(KEYS[1], KEYS[3], now, tenant, need, budget, slots, window, total)
+  local wait = lc_refusal(KEYS[1], KEYS[3], now, tenant, need, budget, slots, window, total,
+                          prefill_ms)
   if wait then return {0, math.ceil(wait), total, reclaimed} end
-  lc_charge(KEYS[1], KEYS[2], KEYS[3], now, rid, tenant, need, prefill_ms, expected_ms, lease_ms)
+  lc_charge(KEYS[1], KEYS[2], KEYS[3], now, rid, tenant, need, hold_ms, expected_ms, lease_ms)
   total = total + need
 end
 return {1, 0, total, reclaimed}
@@ -328,6 +351,8 @@ local tenant = ARGV[15]
 local lc_need, lc_budget, lc_slots = tonumber(ARGV[16] or '0'), tonumber(ARGV[17] or '0'),
   tonumber(ARGV[18] or '0')
 local lc_prefill_ms, lc_window = tonumber(ARGV[19] or '0'), tonumber(ARGV[20] or '0')
+-- the prefill slot's safety expiry (held until the first token: LONG_CONTEXT_LUA 'prefilled')
+local lc_hold_ms = tonumber(ARGV[21] or ARGV[19] or '0')
 
 -- == per-key limits: the section's header (see the module doc, "Per-key limits") =========
 -- The API key's own section is always the TAIL of the call, so the layout above keeps its
@@ -488,7 +513,7 @@ end
 -- ledger's total for placement)
 if lc and lc_need > 0 then
   local wait = lc_refusal(KEYS[5], KEYS[7], now, tenant, lc_need, lc_budget, lc_slots,
-                          lc_window, lc_total)
+                          lc_window, lc_total, lc_prefill_ms)
   if wait then return deny(5, wait) end
 end
 
@@ -536,7 +561,7 @@ if nkeys >= 4 then
 end
 redis.call('HSET', KEYS[2], '#r' .. (idx % 6), counted(tslots))
 if lc and lc_need > 0 then
-  lc_charge(KEYS[5], KEYS[6], KEYS[7], now, rid, tenant, lc_need, lc_prefill_ms, expected_ms,
+  lc_charge(KEYS[5], KEYS[6], KEYS[7], now, rid, tenant, lc_need, lc_hold_ms, expected_ms,
             lease_ms)
   lc_total = lc_total + lc_need
 end
@@ -727,6 +752,15 @@ def long_context_tag(version: str) -> str:
     return f"{PREFIX}lc:{{{version}}}"
 
 
+def prefilling(holds: dict[str, float], now: float) -> int:
+    """How many of ``holds`` (lease id -> when its prefill slot lapses at the latest) still
+    hold a prefill slot at ``now``; lapsed ones are dropped. The local ledger's count of
+    what ``lc_refusal`` counts in Redis (a prefill end still in the future)."""
+    for lease_id in [k for k, until in holds.items() if until <= now]:
+        del holds[lease_id]
+    return len(holds)
+
+
 Node = tuple[str, int] | None  # a store node's address; None: the single Redis
 
 
@@ -832,8 +866,16 @@ class LongContextAsk:
     kv_bytes: int  # its prompt's KV
     budget_bytes: int  # the budget's KV (gateway.admission.long_context.long_context_budget)
     prefill_slots: int  # concurrent long prefills the budget allows
-    prefill_ms: int  # how long its prefill alone takes on the profile
+    prefill_ms: int  # how long its prefill alone takes on the profile (the retry hint)
     demand_window_ms: int
+    # How long its prefill slot is held at most: the slot is released when the first token
+    # arrives (``Limiter.prefill_done``); this expiry only bounds a release that never
+    # comes (a failed call). 0: ``prefill_ms``.
+    prefill_hold_ms: int = 0
+
+    @property
+    def hold_ms(self) -> int:
+        return self.prefill_hold_ms or self.prefill_ms
 
 
 @dataclass(slots=True)
@@ -965,8 +1007,10 @@ class Limiter:
         self._local_retries: dict[str, WindowCounts] = {}
         # version -> monotonic time of this process's last ledger read (cluster only)
         self._long_read: dict[str, float] = {}
-        # long-context budget tag -> {lease id: kv bytes} admitted by this process locally
+        # long-context budget tag -> {lease id: kv bytes} admitted by this process locally,
+        # and {lease id: monotonic safety expiry} of those still prefilling
         self._local_long: dict[str, dict[str, int]] = {}
+        self._local_prefill: dict[str, dict[str, float]] = {}
         # Per-key limits: (key id, family) -> lease ids of its requests in flight from this
         # process, so that without Redis a key's concurrency cap still fails closed.
         self._local_keys: dict[tuple[str, str], set[str]] = {}
@@ -1128,11 +1172,12 @@ class Limiter:
                 q.long.prefill_slots,
                 q.long.prefill_ms,
                 q.long.demand_window_ms,
+                q.long.hold_ms,
             ]
         elif q.read_long:
             lc = long_context_tag(q.version)
             keys += [f"{lc}:l", f"{lc}:e", f"{lc}:w"]
-            args += [q.tenant_id, 0, 0, 0, 0, 0]
+            args += [q.tenant_id, 0, 0, 0, 0, 0, 0]
         # Per-key limits: the key's section goes last (ADMIT_LUA reads it from the tail).
         if q.key_id:
             keys.append(key_tag(q.tenant_id, q.family, q.key_id))
@@ -1247,6 +1292,7 @@ class Limiter:
                 int(self._cfg.lease_ttl_s * 1000),
                 q.expected_ms,
                 RECLAIM_PER_ADMIT,
+                ask.hold_ms,
             )
             try:
                 res = await self._eval(self._long_lua, (f"{lc}:l", f"{lc}:e", f"{lc}:w"), args)
@@ -1261,7 +1307,7 @@ class Limiter:
         held = self._local_long.setdefault(lc, {})
         if self._long_full_locally(q):
             return False, int(self._cfg.lease_ttl_s * 1000), sum(held.values())
-        held[lease_id] = ask.kv_bytes
+        self._hold_long_locally(q, lease_id)
         return True, 0, sum(held.values())
 
     async def _read_long(self, version: str) -> int:
@@ -1281,22 +1327,31 @@ class Limiter:
         return int(res[2])
 
     async def _release_long(self, grant: Grant, never_ran: bool = False) -> None:
-        """Settle's half on the ledger's slot (cluster only); never raises."""
+        """Settle's half on the ledger's slot (cluster only); never raises. Without the
+        ledger's node the lease expires on its own within lease_ttl_s."""
+        await self._on_ledger(grant, "release", "1" if never_ran else "0")
+
+    async def _on_ledger(self, grant: Grant, action: str, *args: Arg) -> int:
+        """One ``LONG_CONTEXT_LUA`` action on the grant's own ledger lease: its answer, or
+        0 when the lease was claimed in-process or the ledger's node cannot be asked.
+        Never raises."""
         assert grant.long_tag is not None
         node = self._ledger_node(grant.version)
-        if grant.long_local or not self._redis_usable(node):
-            return  # the lease expires on its own within lease_ttl_s
+        if grant.local or grant.long_local or not self._redis_usable(node):
+            return 0
         lc = grant.long_tag
         try:
-            await self._eval(
-                self._long_lua,
-                (f"{lc}:l", f"{lc}:e", f"{lc}:w"),
-                ("release", grant.lease_id, "1" if never_ran else "0"),
+            res = await self._eval(
+                self._long_lua, (f"{lc}:l", f"{lc}:e", f"{lc}:w"), (action, grant.lease_id, *args)
             )
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             self._mark(False, exc, node)
+            return 0
         except RedisError:
-            log.exception("long-context release failed for lease %s", grant.lease_id)
+            log.exception("long-context %s failed for lease %s", action, grant.lease_id)
+            return 0
+        self._mark(True, node=node)
+        return int(res)
 
     def _ledger_node(self, version: str) -> Node:
         if isinstance(self._channel, ClusterScriptChannel):
@@ -1305,11 +1360,25 @@ class Limiter:
 
     def _long_full_locally(self, q: QuotaRequest) -> bool:
         """Without the ledger's store this process may hold ``local_kv_fraction`` of the
-        budget (one request at a time when that is less than one)."""
+        budget and of its prefill slots (one request, one prefill at a time when that is
+        less than one); a prefill holds its slot until its first token, as in the ledger."""
         assert q.long is not None
-        held = self._local_long.get(long_context_tag(q.version), {})
+        tag = long_context_tag(q.version)
+        held = self._local_long.get(tag, {})
         share = q.long.budget_bytes * self._cfg.local_kv_fraction
-        return bool(held) and sum(held.values()) + q.long.kv_bytes > share
+        if held and sum(held.values()) + q.long.kv_bytes > share:
+            return True
+        slots = max(1, int(q.long.prefill_slots * self._cfg.local_kv_fraction))
+        return prefilling(self._local_prefill.get(tag, {}), time.monotonic()) >= slots
+
+    def _hold_long_locally(self, q: QuotaRequest, lease_id: str) -> None:
+        """Charge a long-context lease to this process's own ledger: its KV, and its
+        prefill slot until the first token (or the safety expiry)."""
+        assert q.long is not None
+        tag = long_context_tag(q.version)
+        self._local_long.setdefault(tag, {})[lease_id] = q.long.kv_bytes
+        until = time.monotonic() + q.long.hold_ms / 1000
+        self._local_prefill.setdefault(tag, {})[lease_id] = until
 
     @staticmethod
     def _key_state(q: QuotaRequest, key_res: list[int]) -> tuple[RateLimitState | None, int]:
@@ -1370,8 +1439,8 @@ class Limiter:
             local.leases[lease_id] = q.est_kv_milli
             self._hold_key(q, lease_id)
             grant = Grant.of(q, lease_id, local=True)
-            if grant.long_tag is not None:
-                self._local_long.setdefault(grant.long_tag, {})[lease_id] = grant.long_kv_bytes
+            if q.long is not None:
+                self._hold_long_locally(q, lease_id)
         else:  # nothing was consumed
             if q.rpm:
                 local.rpm.give(1, now_ms)
@@ -1466,6 +1535,7 @@ class Limiter:
             held = self._local_long.get(grant.long_tag)
             if held is not None:
                 held.pop(grant.lease_id, None)
+            self._local_prefill.get(grant.long_tag, {}).pop(grant.lease_id, None)
         entry = self._local.get((grant.tenant_id, grant.family))
         if entry is not None:
             entry.leases.pop(grant.lease_id, None)
@@ -1520,6 +1590,19 @@ class Limiter:
             return False
         self._mark(True, node=node)
         return bool(released)
+
+    # -- first token -------------------------------------------------------------------
+    async def prefill_done(self, grant: Grant) -> bool:
+        """A long-context request's first token arrived: release its prefill slot now (one
+        round trip to the ledger, 'prefilled' in ``LONG_CONTEXT_LUA``); its KV stays held
+        until ``settle``. Never raises; True when the ledger released a slot. A lease
+        claimed in this process (no store) releases its local slot; without the store the
+        ledger's slot lapses at its safety expiry (``LongContextAsk.prefill_hold_ms``)."""
+        tag = grant.long_tag
+        if tag is None or grant.settled:
+            return False
+        self._local_prefill.get(tag, {}).pop(grant.lease_id, None)
+        return bool(await self._on_ledger(grant, "prefilled"))
 
     # -- renew -------------------------------------------------------------------------
     async def renew(self, grants: Sequence[Grant]) -> tuple[int, int]:

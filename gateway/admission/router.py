@@ -28,11 +28,16 @@ replica holds how many of its leading blocks) and the views carry it as
 ``cache_hit_tokens``, with the prefill this process queued on each replica, into
 ``gateway.admission.placement`` (the one scoring function, ``_choose_cache_aware``). Its blocks are
 recorded against the chosen replica at dispatch, so a conversation's next turn finds its
-history there.
+history there: the blocks the choice already hashed at once, the rest of the prompt (tokenizing
+and hashing it is most of cache-aware routing's cost on a prompt nobody holds) in a callback
+that runs after the request's handler yields, i.e. after the upstream request was written.
+A request routed in between sees the dispatch's leading blocks only: those that decide
+placement (``PLACEMENT_BLOCK``), so its choice is the same.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 import time
@@ -165,9 +170,19 @@ class Router:
             self._order[version] = cached
         return cached
 
-    def views(self, version: schema.ModelVersionRecord) -> list[ReplicaView]:
+    def views(
+        self, version: schema.ModelVersionRecord, prefix: PrefixQuery | None = None
+    ) -> list[ReplicaView]:
+        """The version's routable replicas as the router sees them; with ``prefix``, with
+        what ``with_hits`` adds, filled in as each view is built (``dataclasses.replace``
+        per view was most of cache-aware routing's cost on a prompt nobody holds)."""
         capacity = version.kv_capacity_tokens * version.kv_bytes_per_token
         states = self._registry.states(version.version)
+        blocks: dict[str, int] = {}
+        if prefix is not None:
+            blocks = self.index.match_query(
+                prefix, [s.replica_id for s in states if s.healthy and s.scraped_at > 0]
+            )
         # Per request: the order, ranks and designated count come from the cache.
         _, _, rank, designated = self._layout(version.version, states)
         fleet = self._fleet_long.get(version.version)
@@ -181,6 +196,11 @@ class Router:
             if not s.healthy or s.scraped_at <= 0:
                 continue
             r = rank.get(s.replica_id, -1)
+            hit = queued = 0
+            if prefix is not None:
+                hit = blocks[s.replica_id] * prefix.block_size
+                pending = self._queued.get(s.replica_id)
+                queued = sum(pending.values()) if pending else 0
             out.append(
                 ReplicaView(
                     s.replica_id,
@@ -196,6 +216,8 @@ class Router:
                         if 0 <= r < designated and capacity > 0
                         else 0.0
                     ),
+                    cache_hit_tokens=hit,
+                    queued_prefill_tokens=queued,
                 )
             )
         return out
@@ -205,7 +227,7 @@ class Router:
         believed to hold, from this process's index) and ``queued_prefill_tokens`` (prompt
         tokens this process sent there that have no first token yet, less their expected
         hits)."""
-        blocks = self.index.match(query.block_hashes, (v.replica_id for v in views))
+        blocks = self.index.match_query(query, [v.replica_id for v in views])
         bs = query.block_size
         out = []
         for v in views:
@@ -233,10 +255,10 @@ class Router:
         yet a dispatch. ``growth_bytes``: a long context's expected output KV, reserved
         against the ceiling too."""
         cls: EffectiveClass = admission_class  # type: ignore[assignment]
-        views = self.views(version)
+        aware = prefix is not None and self._cfg.strategy == "cache_aware"
+        views = self.views(version, prefix if aware else None)
         terms = None
-        if prefix is not None and self._cfg.strategy == "cache_aware" and views:
-            views = self.with_hits(views, prefix)
+        if prefix is not None and aware and views:
             terms = PrefixTerms(
                 prefix.placement_key,
                 replica_key(prefix.tenant_id),
@@ -281,14 +303,29 @@ class Router:
         if long_context:
             self._long.setdefault(replica.replica_id, {})[request_id] = max(0, growth_bytes)
         if prefix is not None and self._cfg.strategy == "cache_aware":
-            self.index.record(replica.replica_id, prefix.block_hashes)
+            rid = replica.replica_id
+            self.index.record(rid, prefix.known_hashes())
             hit = 0
             last = self._last_hit
-            if last is not None and last[0] is prefix and last[1] == replica.replica_id:
+            if last is not None and last[0] is prefix and last[1] == rid:
                 hit = last[2]
-            self._queued.setdefault(replica.replica_id, {})[request_id] = max(
-                0, prefix.prompt_tokens - hit
-            )
+            self._queued.setdefault(rid, {})[request_id] = max(0, prefix.known_prompt_tokens - hit)
+            if not prefix.settled:
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:  # called outside the gateway's loop (tests, benches)
+                    self._settle_dispatch(rid, request_id, prefix, hit)
+                else:
+                    loop.call_soon(self._settle_dispatch, rid, request_id, prefix, hit)
+
+    def _settle_dispatch(self, rid: str, request_id: str, prefix: PrefixQuery, hit: int) -> None:
+        """The rest of ``on_dispatch``, off the request's critical path: the whole prompt's
+        blocks are now cached on the replica, and its queued prefill is the whole prompt's
+        (unless its first token or its end came first)."""
+        self.index.record(rid, prefix.block_hashes)
+        queued = self._queued.get(rid)
+        if queued is not None and request_id in queued:
+            queued[request_id] = max(0, prefix.prompt_tokens - hit)
 
     def _unqueue(self, replica_id: str, request_id: str) -> None:
         queued = self._queued.get(replica_id)

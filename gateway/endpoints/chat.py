@@ -4,8 +4,8 @@ prompt's block hashes for cache-aware routing."""
 
 from __future__ import annotations
 
+from contracts.blockhash import get_hasher
 from contracts.schema import Scope
-from emulator.kv import get_hasher
 from gateway.admission.prefix import PrefixQuery, make_query
 from gateway.admission.tokens import Rule
 from gateway.config import GatewayConfig

@@ -174,6 +174,7 @@ class Exchange:
         self.dispatch = ctx.dispatch
         self.dispatched_at = ctx.dispatched_at
         self.added_observed = False
+        self.prefill_released = False  # a long context's prefill slot, at its first token
         self._awaiting_first_token = False
         self._terminated = False
         self._next_mark = 0.0  # monotonic; 0 until the first token's mark
@@ -455,12 +456,23 @@ class Exchange:
             if not self.added_observed and tracker.first_token_at is not None:
                 self._first_token_relayed()
                 self._observe_added(tracker.first_token_at)
-                # Prefill done: the router's in-flight charge may lapse at the next scrape.
-                self.svc.router.on_first_token(self.ticket.replica, self.ticket.request_id)
+                self._prefill_done()
                 self._mark(now)
             elif self._next_mark and now >= self._next_mark:
                 self._mark(now)
         return ended
+
+    def _prefill_done(self) -> None:
+        """The first token arrived, so the prefill is over (streaming or not): the router's
+        in-flight charge may lapse at the replica's next scrape, and a long context gives
+        its prefill slot back to the fleet's budget now (docs/design.md §7 "Long
+        contexts"), in the background so the relay does not wait for the round trip."""
+        self.svc.router.on_first_token(self.ticket.replica, self.ticket.request_id)
+        grant = self.ticket.grant
+        if self.prefill_released or grant is None or grant.long_tag is None:
+            return
+        self.prefill_released = True
+        self.svc.lifecycle.spawn(self.svc.admission.prefill_done(self.ticket))
 
     def _log_replica_error(self) -> None:
         message = str((self.tracker.error or {}).get("message", "unknown error"))
@@ -499,6 +511,7 @@ class Exchange:
                         break
                 if not self._next_mark and tracker.first_token_at is not None:
                     self._mark(now)  # prefill ran: the prompt is billed from here on
+                    self._prefill_done()
                 if tracker.done:
                     break
         except ReplicaStalled:

@@ -1,7 +1,10 @@
 """The fleet's long-context budget: the pure rule
 (gateway.admission.long_context.long_context_admits, max-min fair share) property-tested, and
 the admit script in gateway/admission/quota.py against a real Redis, checked decision by
-decision against the pure rule."""
+decision against the pure rule. A long prefill holds its slot until the request's first
+token (``Limiter.prefill_done``), in Redis and in the local fallback alike; the estimate's
+attention-aware upper bound (``estimates.prefill_bound_seconds``) only sets the safety
+expiry, and is checked against the emulator's replica cost model."""
 
 from __future__ import annotations
 
@@ -13,9 +16,24 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from contracts import schema
+from emulator.profiles import LLAMA_8B_TP1_H100, LLAMA_70B_TP4_H100, Profile
 from gateway.admission import long_context
 from gateway.admission.config import AdmissionConfig
-from gateway.admission.quota import Grant, Limiter, LongContextAsk, QuotaRequest, long_context_tag
+from gateway.admission.estimates import (
+    long_context_threshold,
+    prefill_bound_seconds,
+    prefill_seconds,
+)
+from gateway.admission.quota import (
+    Grant,
+    Limiter,
+    LongContextAsk,
+    QuotaRequest,
+    long_context_tag,
+    prefilling,
+)
+from gateway.redis_client import connect
 from tests.admission.test_limits import BASE as QUOTA_BASE
 
 GIB = 1 << 30
@@ -32,9 +50,19 @@ BASE = replace(QUOTA_BASE, expected_ms=30_000, long=ASK)  # the admit tests' req
 
 
 def q(
-    tenant: str, gib: int = 10, prefill_slots: int = 100, prefill_ms: int = 60_000
+    tenant: str,
+    gib: int = 10,
+    prefill_slots: int = 100,
+    prefill_ms: int = 60_000,
+    hold_ms: int = 0,
 ) -> QuotaRequest:
-    ask = replace(ASK, kv_bytes=gib * GIB, prefill_slots=prefill_slots, prefill_ms=prefill_ms)
+    ask = replace(
+        ASK,
+        kv_bytes=gib * GIB,
+        prefill_slots=prefill_slots,
+        prefill_ms=prefill_ms,
+        prefill_hold_ms=hold_ms,
+    )
     return replace(BASE, tenant_id=tenant, long=ask)
 
 
@@ -375,4 +403,176 @@ async def test_script_decides_as_the_pure_rule(
             usage[who] -= g * GIB
             if not usage[who]:
                 del usage[who]
+    await lim.aclose()
+
+
+# -- a prefill holds its slot until its first token ------------------------------------------
+
+
+def threshold_version(profile: Profile, ttft_ms: int = 1000) -> schema.ModelVersionRecord:
+    """A version of ``profile`` pushed as the control plane would: the prefill rate at the
+    long-context threshold (the prompt whose lone prefill takes the TTFT target)."""
+    lo, hi = 1, profile.max_model_len
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if profile.prefill_seconds(mid) < ttft_ms / 1000 else (lo, mid)
+    return schema.ModelVersionRecord(
+        version="v",
+        family="f",
+        context_length=profile.max_model_len,
+        kv_bytes_per_token=profile.kv_bytes_per_token,
+        tpot_target_ms=50,
+        kv_capacity_tokens=profile.kv_capacity_tokens,
+        prefill_tokens_per_s=hi / (ttft_ms / 1000),
+        ttft_target_ms=ttft_ms,
+    )
+
+
+@pytest.mark.parametrize("profile", [LLAMA_70B_TP4_H100, LLAMA_8B_TP1_H100], ids=lambda p: p.name)
+def test_the_prefill_bound_covers_the_replica_cost_model(profile: Profile) -> None:
+    """The linear estimate undershoots a long prompt's real prefill (attention grows with
+    the context: a 128k prompt on the 70B profile takes about twice the estimate); the
+    bound the safety expiry is built on never does, from the pushed figures alone."""
+    version = threshold_version(profile)
+    n0 = long_context_threshold(version)
+    for n in range(n0, profile.max_model_len + 1, 997):
+        real = profile.prefill_seconds(n)
+        assert prefill_bound_seconds(n, version) >= real * 0.999, n
+        assert prefill_bound_seconds(n, version) >= prefill_seconds(n, version)
+    big = 128_000
+    if profile is LLAMA_70B_TP4_H100:
+        assert profile.prefill_seconds(big) > 1.8 * prefill_seconds(big, version)
+    # below the threshold the bound is the linear estimate; nothing pushed, nothing bound
+    assert prefill_bound_seconds(n0 // 2, version) == prefill_seconds(n0 // 2, version)
+    assert prefill_bound_seconds(big, replace(version, prefill_tokens_per_s=0.0)) == 0.0
+
+
+def test_lapsed_prefill_holds_are_dropped() -> None:
+    holds = {"a": 5.0, "b": 10.0, "c": 10.5}
+    assert prefilling(holds, 10.0) == 1 and holds == {"c": 10.5}
+    assert prefilling({}, 0.0) == 0
+
+
+async def test_a_prefill_holds_its_slot_until_its_first_token(aredis: aioredis.Redis) -> None:
+    """The estimate says 1 ms; the prefill is still running long after: the slot stays
+    held until the first token says the prefill is over, then frees at once. The KV stays
+    charged until settle."""
+    lim = Limiter(aredis, AdmissionConfig())
+    tag = long_context_tag("fam-v1")
+    a = await lim.admit(q("a", gib=1, prefill_slots=1, prefill_ms=1, hold_ms=600_000))
+    assert a.admitted and a.grant is not None
+    await asyncio.sleep(0.05)  # the old estimate of a's prefill has long passed
+    b = await lim.admit(q("b", gib=1, prefill_slots=1, prefill_ms=1, hold_ms=600_000))
+    assert not b.admitted and b.long_context_full
+    assert b.frees_in_ms < 600_000  # the hint is not the safety expiry
+    assert await lim.prefill_done(a.grant)  # a's first token
+    assert int(await aredis.hget(f"{tag}:l", "u:a") or 0) == GIB  # its KV stays held
+    b = await lim.admit(q("b", gib=1, prefill_slots=1, prefill_ms=1, hold_ms=600_000))
+    assert b.admitted and b.grant is not None and b.long_inflight_bytes == 2 * GIB
+    assert not await lim.prefill_done(a.grant)  # once
+    await lim.settle(b.grant, actual_tokens=0, refund_request=True)
+    assert not await lim.prefill_done(b.grant)  # settled first: nothing left to release
+    await lim.settle(a.grant, actual_tokens=5, refund_request=False)
+    assert await aredis.hget(f"{tag}:l", "#") in (b"0", "0")
+
+
+async def test_the_safety_expiry_frees_a_slot_whose_release_never_came(
+    aredis: aioredis.Redis,
+) -> None:
+    lim = Limiter(aredis, AdmissionConfig())
+    a = await lim.admit(q("a", gib=1, prefill_slots=1, prefill_ms=1, hold_ms=100))
+    assert a.admitted
+    assert not (await lim.admit(q("b", gib=1, prefill_slots=1, prefill_ms=1))).admitted
+    await asyncio.sleep(0.2)  # the store's clock passes the expiry: no first token needed
+    assert (await lim.admit(q("b", gib=1, prefill_slots=1, prefill_ms=1))).admitted
+
+
+async def test_without_the_store_a_prefill_holds_its_slot_until_its_first_token() -> None:
+    """The local fallback decides as the ledger does: this process's share of the slots
+    (4 x 0.25 = one), held from admission to the first token."""
+    dead = connect("redis://127.0.0.1:1/0", timeout_s=0.2)
+    lim = Limiter(dead, AdmissionConfig(local_kv_fraction=0.25))
+    ask = {"gib": 1, "prefill_slots": 4, "prefill_ms": 1, "hold_ms": 600_000}
+    a = await lim.admit(q("a", **ask))
+    assert a.admitted and a.degraded and a.grant is not None
+    await asyncio.sleep(0.01)
+    b = await lim.admit(q("b", **ask))
+    assert not b.admitted and b.long_context_full and b.degraded
+    assert not await lim.prefill_done(a.grant)  # no ledger to tell; the local slot frees
+    b = await lim.admit(q("b", **ask))
+    assert b.admitted and b.grant is not None
+    await lim.settle(b.grant, actual_tokens=0, refund_request=True)  # never got a token
+    c = await lim.admit(q("c", **ask))  # b's slot went with its settle
+    assert c.admitted
+    # and a lapsed expiry frees it too
+    lapsed = Limiter(dead, AdmissionConfig(local_kv_fraction=0.25))
+    assert (await lapsed.admit(q("a", **{**ask, "hold_ms": 20}))).admitted
+    assert not (await lapsed.admit(q("b", **ask))).admitted
+    await asyncio.sleep(0.05)
+    assert (await lapsed.admit(q("b", **ask))).admitted
+    await dead.aclose()
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("abc"), st.sampled_from(["ask", "first_token", "settle"])),
+        min_size=1,
+        max_size=40,
+    )
+)
+async def test_script_counts_prefills_until_their_first_token_as_the_pure_rule(
+    aredis: aioredis.Redis, ops: list[tuple[str, str]]
+) -> None:
+    """Asks, first tokens and settles in any order with two prefill slots: the script
+    admits what ``long_context_admits`` admits when ``prefilling`` counts the admitted
+    requests that have not had their first token (however old their estimate is)."""
+    await aredis.delete(*(f"{long_context_tag('fam-v1')}:{s}" for s in "lew"))
+    lim = Limiter(aredis, AdmissionConfig())
+    usage: dict[str, int] = {}
+    waiting: set[str] = set()
+    running: list[tuple[str, Grant, bool]] = []  # (tenant, grant, still prefilling)
+    for tenant, op in ops:
+        mine = [r for r in running if r[0] == tenant]
+        if op == "first_token" and mine:
+            for i, r in enumerate(running):
+                if r[0] == tenant and r[2]:
+                    assert await lim.prefill_done(r[1])
+                    running[i] = (r[0], r[1], False)
+                    break
+            continue
+        if op == "settle" and mine:
+            who, grant, _ = mine[0]
+            running.remove(mine[0])
+            await lim.settle(grant, actual_tokens=0, refund_request=False)
+            usage[who] -= GIB
+            if not usage[who]:
+                del usage[who]
+            continue
+        ledger = await aredis.hgetall(f"{long_context_tag('fam-v1')}:l")
+        raw = {_text(k): _text(v) for k, v in ledger.items()}
+        served = {k[2:]: int(v) for k, v in raw.items() if k.startswith("s:")}
+        expect = long_context.long_context_admits(
+            tenant=tenant,
+            need=GIB,
+            budget=BUDGET,
+            slots=2,
+            usage=usage,
+            prefilling=sum(1 for r in running if r[2]),
+            waiting=waiting,
+            served=served,
+        )
+        d = await lim.admit(q(tenant, gib=1, prefill_slots=2, prefill_ms=1, hold_ms=600_000))
+        assert d.admitted == expect
+        if d.admitted:
+            assert d.grant is not None
+            running.append((tenant, d.grant, True))
+            usage[tenant] = usage.get(tenant, 0) + GIB
+            waiting.discard(tenant)
+        else:
+            waiting.add(tenant)
     await lim.aclose()

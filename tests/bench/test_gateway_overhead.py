@@ -62,3 +62,15 @@ def test_against_a_checkout_smoke(tmp_path: Path) -> None:
     counts = [line for line in report.splitlines() if line.startswith(("| SSE | ", "| JSON | "))]
     assert [line.split(" | ")[2] for line in counts[-2:]] == ["0 / 0 / 0", "0 / 0 / 0"]  # errors
     assert "TTFT p50 per slice" in report
+
+
+def test_gateway_env_and_prompt_words_are_parsed() -> None:
+    args = parse(
+        ["--gateway-env", "GATEWAY_ADMISSION_STRATEGY=cache_aware", "--gateway-env", "A=b=c"]
+        + ["--prompt-words", "5"]
+    )
+    assert args.gateway_env == {"GATEWAY_ADMISSION_STRATEGY": "cache_aware", "A": "b=c"}
+    assert args.prompt_words == 5
+    assert parse([]).gateway_env == {} and parse([]).prompt_words == 0
+    with pytest.raises(SystemExit):
+        parse(["--gateway-env", "novalue"])

@@ -10,8 +10,8 @@ from typing import Any
 import yaml
 
 from catalog.deployfiles import COMPOSE_FILE, demo_fleet, render_compose, write_all
-from catalog.replica import ServingSpec, replica_argv
-from tests.deploy.conftest import DEPLOY, DOCKER, ROOT, compose
+from catalog.replica import KV_EVENTS_PORT, ServingSpec, kv_events_args, replica_argv
+from tests.deploy.conftest import COMPOSE_SECRETS, DEPLOY, DOCKER, ROOT, compose
 from tests.support import free_port
 
 
@@ -46,7 +46,7 @@ def test_every_replica_runs_the_catalog_command(compose_config: dict[str, Any]) 
         for host in fleet.compose_hosts(spec):
             suffix = host.removeprefix("replica-")
             emu, vllm = services[f"emulator-{suffix}"], services[f"vllm-{suffix}"]
-            assert emu["command"] == replica_argv(spec, engine="emulator")
+            assert emu["command"] == replica_argv(spec, engine="emulator") + kv_events_args()
             assert vllm["entrypoint"] + vllm["command"] == replica_argv(spec, engine="vllm")
             # One address for either engine: the catalog's URL does not depend on it.
             assert emu["networks"]["default"]["aliases"] == [host]
@@ -72,6 +72,57 @@ def test_every_replica_runs_the_catalog_command(compose_config: dict[str, Any]) 
     ):
         assert flag in vllm70
     assert _spec("llama-70b-2026-05").weights in vllm70
+
+
+def test_both_gateways_follow_every_emulated_replicas_kv_events(
+    compose_config: dict[str, Any],
+) -> None:
+    """Each emulator publishes its KV-cache events (as the emulator parses its flag), and
+    both gateways subscribe to every one of them (as the gateway parses its config), under
+    the replica id the setup service's seed gives that replica's URL."""
+    from catalog.replica import replica_name
+    from emulator.kv_events import KVEventsConfig
+    from gateway.config import GatewayConfig
+    from tenants.management.commands.seed_demo import parse_replicas
+
+    services = compose_config["services"]
+    published: dict[str, str] = {}  # replica URL -> the endpoint a gateway reaches it at
+    for name, svc in services.items():
+        argv = svc.get("command") or []
+        if name.startswith("vllm-"):
+            # real vLLM's hashes come from the real tokenizer and a random hash seed: the
+            # gateway's index cannot match them, so they are not published
+            assert "--kv-events-config" not in argv, name
+        if not name.startswith("emulator-"):
+            continue
+        config = KVEventsConfig.from_json(argv[argv.index("--kv-events-config") + 1])
+        assert config.enable_kv_cache_events and config.resolved_publisher == "zmq"
+        host, port = config.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        assert host == "*" and int(port) == KV_EVENTS_PORT  # every interface of its container
+        assert str(port) in svc["expose"]
+        (alias,) = svc["networks"]["default"]["aliases"]
+        published[f"http://{alias}:8000"] = f"tcp://{alias}:{port}"
+    assert len(published) == 4
+    seed = services["setup"]["command"][-1].split()
+    specs = [seed[i + 1] for i, arg in enumerate(seed) if arg == "--replicas"]
+    expected = {
+        replica_name(version, url): published[url]
+        for version, entries in parse_replicas(specs).items()
+        for url, _ in entries
+    }
+    for gateway in ("gateway-1", "gateway-2"):
+        env = services[gateway]["environment"]
+        gw = GatewayConfig.from_env({**env, "FAIRWAY_ENV": "development"})
+        assert dict(gw.prefix_kv_events) == expected, gateway
+        # with events, a prompt nobody holds is placed as P2C places it (not by rendezvous)
+        assert not gw.admission.affinity_rendezvous
+        assert gw.admission.strategy == "p2c"  # cache-aware stays opt-in
+        assert env["FAIRWAY_KEY_PEPPER"] == "p" * 32  # and the shared environment is kept
+    done = compose("config", env={**COMPOSE_SECRETS, "GATEWAY_ADMISSION_STRATEGY": "cache_aware"})
+    assert done.returncode == 0, done.stderr
+    opted = yaml.safe_load(done.stdout)["services"]
+    for gateway in ("gateway-1", "gateway-2"):
+        assert opted[gateway]["environment"]["GATEWAY_ADMISSION_STRATEGY"] == "cache_aware"
 
 
 def test_the_stack_has_its_parts_wired(compose_config: dict[str, Any]) -> None:

@@ -61,6 +61,8 @@ CORE: list[Callable[[aioredis.Redis], Awaitable[None]]] = [
     lc.test_a_second_tenant_gets_half_as_the_first_one_drains,
     lc.test_concurrent_long_prefills_are_bounded,
     lc.test_expired_prefills_free_their_slot,
+    lc.test_a_prefill_holds_its_slot_until_its_first_token,
+    lc.test_the_safety_expiry_frees_a_slot_whose_release_never_came,
     lc.test_settle_and_reclaim_return_the_budget,
     lc.test_renewal_keeps_the_long_lease,
     lc.test_a_short_request_reads_the_ledger_without_claiming,

@@ -1,4 +1,4 @@
-"""The selectable prefix-cache block hash (``emulator.kv.get_hasher``), used alike by the
+"""The selectable prefix-cache block hash (``contracts.blockhash.get_hasher``), used alike by the
 emulated replica and the gateway: vLLM v1's ``sha256`` and ``sha256_cbor`` pinned by vectors
 computed here, independently, from the construction (SHA-256 over pickle or canonical CBOR of
 ``(parent, tuple of token ids, extra keys)``, the first parent ``NONE_HASH`` = the function of
@@ -13,8 +13,9 @@ import pickle
 
 import pytest
 
+from contracts.blockhash import BlockHasher, cbor_canonical, get_hasher
 from emulator.engine import Engine, EngineConfig
-from emulator.kv import BlockHasher, BlockStored, cbor_canonical, get_hasher
+from emulator.kv import BlockStored
 from emulator.kv_events import encode_batch
 from emulator.profiles import get_profile
 from gateway.admission.prefix import (

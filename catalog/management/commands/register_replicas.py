@@ -10,13 +10,13 @@ become exactly the URLs given; the catalog push tells the gateways.
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
 from catalog import services
 from catalog.models import ModelVersion, Replica
+from catalog.replica import replica_name
 from tenants.management.commands.seed_demo import parse_replicas
 
 
@@ -38,9 +38,9 @@ class Command(BaseCommand):
             version = versions[name]
             keep = []
             for url, pool in entries:
-                replica_name = f"{name}@{urlsplit(url).netloc}"
-                services.replica_upsert(version=version, name=replica_name, base_url=url, pool=pool)
-                keep.append(replica_name)
+                rname = replica_name(name, url)
+                services.replica_upsert(version=version, name=rname, base_url=url, pool=pool)
+                keep.append(rname)
             for stale in Replica.objects.filter(version=version).exclude(name__in=keep):
                 stale.delete()  # one by one, so the catalog push sees each delete
             self.stdout.write(f"{name}: {len(keep)} replica(s)")

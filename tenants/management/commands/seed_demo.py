@@ -24,6 +24,7 @@ from rest_framework.authtoken.models import Token
 
 from catalog import services as catalog_services
 from catalog.models import ModelFamily, ModelVersion, Replica
+from catalog.replica import replica_name
 from contracts.schema import SCOPES, hash_api_key
 from tenants import services
 from tenants.demo import MODELS, PLANS, demo_usage_rows, plan_limits
@@ -159,7 +160,7 @@ class Command(BaseCommand):
     def _replicas(self, version: ModelVersion, entries: list[tuple[str, str]]) -> None:
         names = []
         for url, pool in entries:
-            name = f"{version.name}@{urlsplit(url).netloc}"
+            name = replica_name(version.name, url)
             for other in Replica.objects.filter(base_url=url).exclude(name=name):
                 other.delete()
             catalog_services.replica_upsert(version=version, name=name, base_url=url, pool=pool)
