@@ -67,10 +67,10 @@ class PrefixQuery:
     lookup stops there too), so the hot path hashes only as far as the index can follow:
     ``make_query`` tokenizes the first ``PLACEMENT_BLOCK`` blocks (enough for the placement
     key, and for a prompt that cannot fill one block, all of it), ``PrefixIndex.match_query``
-    hashes further only while some replica holds the chain, and the rest — every block, for
-    the index's record of the dispatch — is computed by ``settle`` after the upstream
-    request left (``Router.on_dispatch`` defers it). ``block_hashes`` and ``prompt_tokens``
-    settle the query first, so they always give the whole (capped) prompt's figures."""
+    hashes further only while some replica holds the chain. The rest, every block, is
+    computed by ``settle`` only for the request dispatched (``Router.on_dispatch`` records
+    them), not for the choice. ``block_hashes`` and ``prompt_tokens`` settle the query
+    first, so they always give the whole (capped) prompt's figures."""
 
     __slots__ = (
         "tenant_id",

@@ -28,16 +28,12 @@ replica holds how many of its leading blocks) and the views carry it as
 ``cache_hit_tokens``, with the prefill this process queued on each replica, into
 ``gateway.admission.placement`` (the one scoring function, ``_choose_cache_aware``). Its blocks are
 recorded against the chosen replica at dispatch, so a conversation's next turn finds its
-history there: the blocks the choice already hashed at once, the rest of the prompt (tokenizing
-and hashing it is most of cache-aware routing's cost on a prompt nobody holds) in a callback
-that runs after the request's handler yields, i.e. after the upstream request was written.
-A request routed in between sees the dispatch's leading blocks only: those that decide
-placement (``PLACEMENT_BLOCK``), so its choice is the same.
+history there. The choice hashes the prompt only as far as some replica holds it; the
+dispatch then hashes and records the whole prompt at once (see ``on_dispatch``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import random
 import time
@@ -303,29 +299,17 @@ class Router:
         if long_context:
             self._long.setdefault(replica.replica_id, {})[request_id] = max(0, growth_bytes)
         if prefix is not None and self._cfg.strategy == "cache_aware":
+            # The whole prompt's blocks, now: a request routed a moment later (a burst of
+            # conversations sharing a system prompt) must see the whole hit, or it weighs
+            # this replica's affinity by the leading blocks alone and spills elsewhere
+            # (deferring this cost ~3 points of cached share in bench.prefix_gateway).
             rid = replica.replica_id
-            self.index.record(rid, prefix.known_hashes())
+            self.index.record(rid, prefix.block_hashes)
             hit = 0
             last = self._last_hit
             if last is not None and last[0] is prefix and last[1] == rid:
                 hit = last[2]
-            self._queued.setdefault(rid, {})[request_id] = max(0, prefix.known_prompt_tokens - hit)
-            if not prefix.settled:
-                try:
-                    loop = asyncio.get_running_loop()
-                except RuntimeError:  # called outside the gateway's loop (tests, benches)
-                    self._settle_dispatch(rid, request_id, prefix, hit)
-                else:
-                    loop.call_soon(self._settle_dispatch, rid, request_id, prefix, hit)
-
-    def _settle_dispatch(self, rid: str, request_id: str, prefix: PrefixQuery, hit: int) -> None:
-        """The rest of ``on_dispatch``, off the request's critical path: the whole prompt's
-        blocks are now cached on the replica, and its queued prefill is the whole prompt's
-        (unless its first token or its end came first)."""
-        self.index.record(rid, prefix.block_hashes)
-        queued = self._queued.get(rid)
-        if queued is not None and request_id in queued:
-            queued[request_id] = max(0, prefix.prompt_tokens - hit)
+            self._queued.setdefault(rid, {})[request_id] = max(0, prefix.prompt_tokens - hit)
 
     def _unqueue(self, replica_id: str, request_id: str) -> None:
         queued = self._queued.get(replica_id)
