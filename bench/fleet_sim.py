@@ -39,7 +39,7 @@ from emulator.engine import Engine
 from emulator.profiles import Profile, get_profile
 from emulator.replica_flags import platform_engine_config
 from gateway.admission.config import LAYERS, VLLM_PRIORITY, AdmissionConfig, Strategy
-from gateway.admission.estimates import long_context_threshold, prefill_seconds
+from gateway.admission.estimates import long_context_threshold, prefill_bound_seconds
 from gateway.admission.long_context import long_context_admits, long_context_budget
 from gateway.admission.replicas import ReplicaState
 from gateway.admission.retry import (
@@ -113,6 +113,9 @@ class FleetConfig:
     # Standard tenants flooding 128k-token prompts, each at heavy_rps, on top of rate_rps.
     heavy_tenants: int = 0
     heavy_rps: float = 0.4
+    # Per heavy tenant, cycled (overrides heavy_rps): unequal demands show the budget's
+    # max-min fairness (a tenant asking less than its share gets all it asks).
+    heavy_rates: tuple[float, ...] = ()
     tenants: int = 100  # the other traffic's tenants (round robin over request ids)
 
     def admission(self) -> AdmissionConfig:
@@ -151,6 +154,8 @@ class SimResult:
     attempts: int = 0
     gave_up: int = 0
     long_refused: int = 0
+    long_refused_by: dict[str, int] = field(default_factory=dict)
+    long_admitted_by: dict[str, int] = field(default_factory=dict)
 
     def measured(self) -> list[SimRequest]:
         """Requests that arrived after the fill-up and resolved before the end of the run
@@ -249,11 +254,13 @@ class FleetSim:
         self.tokens_at_warmup = np.zeros(cfg.replicas, dtype=np.int64)
         self._tick = {"arrivals": 0, "retries": 0, "rejected": 0, "rejected_first": 0, "errors": 0}
         # The fleet's long-context ledger (Redis in production): lease -> (tenant, bytes,
-        # prefill end); tenants refused -> when.
+        # prefill slot held until); tenants refused -> when.
         self.long_leases: dict[str, tuple[str, int, float]] = {}
         self.long_waiting: dict[str, float] = {}
         self.long_served: dict[str, float] = {}  # each tenant's last long admission
         self.long_refused = 0
+        self.long_refused_by: dict[str, int] = {}
+        self.long_admitted_by: dict[str, int] = {}
         version = self.gws[0].version
         self.long_threshold = long_context_threshold(version)
         self.version_rec = version
@@ -291,7 +298,8 @@ class FleetSim:
         rid = len(times)
         for h in range(cfg.heavy_tenants):
             hrng = np.random.default_rng(cfg.seed * 101 + h)
-            for t in poisson_arrivals(hrng, cfg.heavy_rps, 0.0, cfg.duration_s):
+            rate = cfg.heavy_rates[h % len(cfg.heavy_rates)] if cfg.heavy_rates else cfg.heavy_rps
+            for t in poisson_arrivals(hrng, rate, 0.0, cfg.duration_s):
                 out = int(min(3_000, max(1, DESIGN_OUTPUT.sample(hrng, 1)[0])))
                 r = SimRequest(rid=rid, tenant_class="standard", prompt=HEAVY_PROMPT,
                                output=out, arrival=float(t), priority=VLLM_PRIORITY["standard"],
@@ -350,6 +358,7 @@ class FleetSim:
         if long_context and r.tenant_class != "reserved" and self.adm.enforces("long_context"):
             if not self._long_admit(r, lease, now):
                 self.long_refused += 1
+                self.long_refused_by[r.tenant] = self.long_refused_by.get(r.tenant, 0) + 1
                 self._reject(r, now, capacity_retry_after_ms(self.adm, gw.rng) / 1000)
                 return
         if self.adm.context_placement:
@@ -423,14 +432,26 @@ class FleetSim:
                                  waiting=self.long_waiting.keys(),
                                  served=self.long_served)  # fmt: skip
         if ok:
+            self.long_admitted_by[r.tenant] = self.long_admitted_by.get(r.tenant, 0) + 1
             self.long_served[r.tenant] = now
-            pend = now + prefill_seconds(r.prompt, self.version_rec)
-            self.long_leases[lease] = (r.tenant, need, pend)
+            # The prefill slot is held until the first token (_prefilled); the bound is only
+            # the gateway's safety expiry for a release that never comes.
+            hold = self.adm.long_prefill_hold_factor * prefill_bound_seconds(
+                r.prompt, self.version_rec
+            )
+            self.long_leases[lease] = (r.tenant, need, now + hold)
             self.long_waiting.pop(r.tenant, None)
             r.long_lease = True
         else:
             self.long_waiting[r.tenant] = now
         return ok
+
+    def _prefilled(self, lease: str, at: float) -> None:
+        """The first token reached the gateway: the long prefill gives its slot back (its
+        KV stays leased until the request ends), as the gateway's ``prefill_done``."""
+        held = self.long_leases.get(lease)
+        if held is not None:
+            self.long_leases[lease] = (held[0], held[1], at)
 
     def _long_release(self, r: SimRequest, lease: str) -> None:
         if r.long_lease:
@@ -454,6 +475,7 @@ class FleetSim:
         for req in res.emitted:
             if req.num_output == 1:
                 req.handle.first_token = end
+                self._prefilled(req.request_id, end)
                 gw = self.gws[req.handle.gateway]
                 gw.router.on_first_token(gw.records[idx], req.request_id)
         for req in res.finished:
@@ -552,6 +574,8 @@ class FleetSim:
             attempts=self.attempts,
             gave_up=self.gave_up,
             long_refused=self.long_refused,
+            long_refused_by=self.long_refused_by,
+            long_admitted_by=self.long_admitted_by,
         )
 
 
@@ -638,43 +662,220 @@ def experiments(scale: Scale, seed: int = 1) -> dict[str, FleetConfig]:
     }  # fmt: skip
 
 
-def isolation_experiments(scale: Scale, seed: int, heavy: int) -> dict[str, FleetConfig]:
-    """Long-context isolation against the routing before it, in one run: the heavy-tailed
-    shape alone, then with ``heavy`` standard tenants flooding 128k prompts on top."""
+# The two policies the isolation comparison runs side by side, as ``FleetConfig.isolation``.
+POLICIES = {"old (P2C + in-flight)": False, "new (isolation)": True}
+
+
+def isolation_experiments(
+    scale: Scale,
+    seed: int,
+    heavy: int,
+    heavy_rates: tuple[float, ...] = (),
+    heavy_duration_s: float | None = None,
+) -> dict[str, FleetConfig]:
+    """The several-heavy-tenants variant, old policy against new in one run: ``heavy``
+    standard tenants flooding 128k prompts (at ``heavy_rates``, cycled) on top of the
+    heavy-tailed shape, run for ``heavy_duration_s`` (long enough for a 128k request to
+    finish)."""
     base = scale.config(seed)
+    if heavy_duration_s:
+        base = replace(base, duration_s=heavy_duration_s, warmup_s=heavy_duration_s / 3)
+    base = replace(base, heavy_tenants=heavy, heavy_rates=heavy_rates)
     return {
-        "before (P2C + in-flight)": base,
-        "isolation": replace(base, isolation=True),
-        f"before, {heavy} heavy tenants": replace(base, heavy_tenants=heavy),
-        f"isolation, {heavy} heavy tenants": replace(base, isolation=True, heavy_tenants=heavy),
+        f"{name}, {heavy} heavy tenants": replace(base, isolation=iso)
+        for name, iso in POLICIES.items()
     }
 
 
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One fleet size tried by ``fleet_sizing`` for one policy."""
+
+    replicas: int
+    ttft_p95: float  # from the first attempt's arrival; a request never served counts as inf
+    tpot_p95: float
+    attainment: float
+    fullest_mean: float
+    fullest_p99: float
+    refused: float  # share of measured requests that ended refused (gave up)
+    wall_s: float
+
+    @property
+    def holds(self) -> bool:
+        return self.ttft_p95 < TTFT_SLO_S and self.tpot_p95 < TPOT_SLO_S
+
+
+def probe_of(res: SimResult) -> Probe:
+    meas = [r for r in res.measured() if not r.heavy]
+    ttft = [
+        r.first_token - r.arrival if r.status == "ok" and r.first_token is not None else math.inf
+        for r in meas
+    ]
+    occ = np.asarray(res.series.occ_max)[_series_window(res, res.cfg.warmup_s)]
+    return Probe(
+        replicas=res.cfg.replicas,
+        ttft_p95=float(np.percentile(ttft, 95)) if ttft else math.nan,
+        tpot_p95=_p(res.tpots(meas), 95),
+        attainment=res.attainment(meas),
+        fullest_mean=float(np.mean(occ)),
+        fullest_p99=_p(list(occ), 99),
+        refused=sum(1 for r in meas if r.status != "ok") / max(1, len(meas)),
+        wall_s=res.wall_s,
+    )
+
+
+def fleet_sizing(scale: Scale, seed: int, lo: int, hi: int, step: int,
+                 workers: int = 2) -> dict[str, list[Probe]]:  # fmt: skip
+    """Fewest replicas whose fleet holds TTFT p95 < 1 s and TPOT p95 < 50 ms at
+    ``scale.rate_rps``, per policy: bisection between ``lo`` (assumed to miss) and ``hi``
+    (checked first) down to ``step`` replicas. Each round runs every policy's probe at
+    once; the probes of a policy all replay the same seeded arrivals."""
+    bounds = {name: [lo, hi] for name in POLICIES}
+    probes: dict[str, list[Probe]] = {name: [] for name in POLICIES}
+    size = dict.fromkeys(POLICIES, hi)
+    while size:
+        cfgs = {
+            f"{name} @ {n}": replace(scale.config(seed), replicas=n, isolation=POLICIES[name])
+            for name, n in size.items()
+        }
+        for key, res in run_all(cfgs, workers=workers).items():
+            name = key.rsplit(" @ ", 1)[0]
+            pr = probe_of(res)
+            probes[name].append(pr)
+            print(f"[fleet_sim] sizing {key}: TTFT p95 {pr.ttft_p95 * 1000:.0f} ms, TPOT p95 "
+                  f"{pr.tpot_p95 * 1000:.0f} ms -> {'holds' if pr.holds else 'misses'}",
+                  flush=True)  # fmt: skip
+            b = bounds[name]
+            if pr.holds:
+                b[1] = pr.replicas
+            elif pr.replicas == hi:
+                b[0] = b[1] = hi + 1  # even the top of the range misses: stop, say so
+            else:
+                b[0] = pr.replicas
+        size = {name: (b[0] + b[1]) // 2 for name, b in bounds.items() if b[1] - b[0] > step}
+    return probes
+
+
+def needed(probes: list[Probe]) -> int | None:
+    held = [p.replicas for p in probes if p.holds]
+    return min(held) if held else None
+
+
+def _heavy_tenant_table(res: SimResult, lo: float, end: float) -> list[str]:
+    """Per heavy tenant: offered, refused by the budget, prefilled 128k prompts and their
+    share of the prefilled long-context work, completed requests and goodput."""
+    offered: dict[str, int] = {}
+    prefilled: dict[str, int] = {}
+    done: dict[str, int] = {}
+    for r in res.requests:
+        if not r.heavy:
+            continue
+        offered.setdefault(r.tenant, 0)
+        prefilled.setdefault(r.tenant, 0)
+        done.setdefault(r.tenant, 0)
+        if r.arrival >= lo:
+            offered[r.tenant] += 1
+        if r.first_token is not None and lo <= r.first_token <= end:
+            prefilled[r.tenant] += r.prompt
+        if r.status == "ok" and r.finished is not None and lo <= r.finished <= end:
+            done[r.tenant] += 1
+    total = sum(prefilled.values())
+    rate = {
+        f"heavy-{h + 1}": (res.cfg.heavy_rates[h % len(res.cfg.heavy_rates)]
+                           if res.cfg.heavy_rates else res.cfg.heavy_rps)
+        for h in range(res.cfg.heavy_tenants)
+    }  # fmt: skip
+    rows = [
+        "| heavy tenant | offered req/s | arrived in window | budget admits / 503s (whole run) | "
+        "128k prefills done in window | share of long-context work served | completed in window "
+        "| goodput req/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    cells = [
+        [t, f"{rate.get(t, 0):g}", offered[t],
+         f"{res.long_admitted_by.get(t, 0)} / {res.long_refused_by.get(t, 0)}",
+         prefilled[t] // HEAVY_PROMPT, _pct(prefilled[t] / total) if total else "—",
+         done[t], f"{done[t] / (end - lo):.3f}"]
+        for t in sorted(offered, key=lambda x: int(x.split("-")[1]))
+    ]  # fmt: skip
+    rows.extend(_md_row(c) for c in cells)
+    return rows
+
+
 def write_isolation_report(
-    results: dict[str, SimResult], scale: Scale, command: str, out_dir: Path = RESULTS
+    results: dict[str, SimResult],
+    scale: Scale,
+    command: str,
+    out_dir: Path = RESULTS,
+    sizing_probes: dict[str, list[Probe]] | None = None,
+    load: str = "",
 ) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     any_cfg = next(iter(results.values())).cfg
+    rates = any_cfg.heavy_rates or (any_cfg.heavy_rps,)
     rows = [
-        "# Fleet simulation — long-context isolation against the routing before it",
+        "# Fleet simulation — long-context isolation (new policy) against the old policy",
         "",
         f"Command: `{command}`",
         "",
-        f"{scale.replicas} emulator `Engine`s ({PROFILE}, realistic prefill) in virtual time, "
-        f"{scale.rate_rps:g} req/s Poisson of the heavy-tailed shape (docs/design.md §2), "
-        f"classes 10 % reserved / 80 % standard / 10 % free, {scale.gateways} gateways, "
-        f"scrapes every 250 ms, {scale.duration_s:g} model-s per run, statistics after "
-        f"{scale.warmup_s:g} s. "
-        f"Heavy tenants: standard tenants sending 128,000-token prompts at "
-        f"{any_cfg.heavy_rps} req/s each on top. 'isolation' = the long-context budget "
-        "(max-min fair), the ceilings counting each request's own prompt KV, long contexts "
-        "packed onto the designated replicas and short traffic off them; 'before' = P2C + "
-        "optimistic in-flight as it was. Every arm of a run replays the same arrivals.",
+        f"Emulator `Engine`s ({PROFILE}, realistic prefill) in virtual time (the machine's "
+        f"load does not enter the figures{'; ' + load if load else ''}), {scale.rate_rps:g} "
+        "req/s Poisson of the heavy-tailed shape (docs/design.md §2), classes 10 % reserved / "
+        f"80 % standard / 10 % free, {scale.gateways} gateways, scrapes every 250 ms. "
+        "**new** = the long-context budget (max-min fair, least recently served first), the "
+        "ceilings counting each request's own prompt KV, long contexts packed onto the "
+        "designated replicas (a quarter of the fleet) and short traffic kept off them; "
+        "**old** = the same replicas and gateways with none of that: P2C + optimistic "
+        "in-flight, no long-context budget, no context-aware placement. Both policies "
+        "replay the same arrivals.",
         "",
-        "| run | attainment (non-heavy) | TTFT p95 / p99 ms | TPOT p95 ms | mean of fullest "
-        "replica | p99 of fullest | 503 / attempts | heavy served (completed per tenant) | "
-        "long-context 503s | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    if sizing_probes:
+        rows += [
+            f"## Replicas needed for both SLOs at {scale.rate_rps:g} req/s, heavy-tailed shape",
+            "",
+            f"Bisection on the fleet size per policy ({scale.duration_s:g} model-s per probe, "
+            f"statistics after {scale.warmup_s:g} s). A size holds when TTFT p95 < 1 s and TPOT "
+            "p95 < 50 ms over the measured requests, TTFT counted from the first attempt's "
+            "arrival (503 waits included) and a request never served counted as a miss.",
+            "",
+        ]
+        for name, probes in sizing_probes.items():
+            n = needed(probes)
+            rows.append(
+                f"- **{name}: {n} replicas** ({n * 4} GPUs)" if n else
+                f"- **{name}: more than {max(p.replicas for p in probes)} replicas**"
+            )  # fmt: skip
+        rows += [
+            "",
+            "| policy | replicas | TTFT p95 ms | TPOT p95 ms | holds | attainment | mean of "
+            "fullest replica | p99 of fullest | never served | wall s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, probes in sizing_probes.items():
+            for p in sorted(probes, key=lambda x: x.replicas):
+                rows.append(
+                    _md_row([
+                        name, p.replicas, _ms(p.ttft_p95), _ms(p.tpot_p95),
+                        "yes" if p.holds else "no", _pct(p.attainment),
+                        f"{p.fullest_mean:.3f}", f"{p.fullest_p99:.3f}", _pct(p.refused),
+                        f"{p.wall_s:.0f}",
+                    ])
+                )  # fmt: skip
+        rows.append("")
+    rows += [
+        f"## Several heavy tenants, {any_cfg.replicas} replicas",
+        "",
+        f"{any_cfg.heavy_tenants} standard tenants each send 128,000-token prompts (output: "
+        f"the shape's, at most 3,000) at {', '.join(f'{r:g}' for r in rates)} req/s (cycled) "
+        f"on top of the {scale.rate_rps:g} req/s; the simulation models no per-tenant rate "
+        f"limits, so these are inside them. {any_cfg.duration_s:g} model-s per run, "
+        f"statistics over [{any_cfg.warmup_s:g}, {any_cfg.duration_s:g}] s.",
+        "",
+        "| run | attainment (others) | others' TTFT p95 / p99 ms | others' TPOT p95 ms | "
+        "standard TTFT / TPOT p95 | free TTFT / TPOT p95 | mean of fullest replica | p99 of "
+        "fullest | 503 / attempts | long-context 503s | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, res in results.items():
         lo = res.cfg.warmup_s
@@ -683,22 +884,23 @@ def write_isolation_report(
         occ_max = np.asarray(res.series.occ_max)[win]
         rejected = int(np.sum(np.asarray(res.series.rejected)[win]))
         arrivals = int(np.sum(np.asarray(res.series.arrivals)[win]))
-        served: dict[str, int] = {}
-        for r in res.requests:
-            if r.heavy:
-                served.setdefault(r.tenant, 0)
-                if r.status == "ok" and r.final and r.arrival >= lo:
-                    served[r.tenant] += 1
-        heavy_txt = ", ".join(f"{v}" for _, v in sorted(served.items())) or "—"
+
+        def cls(c: str, meas: list[SimRequest] = meas, res: SimResult = res) -> str:
+            sub = [r for r in meas if r.tenant_class == c]
+            return f"{_ms(_p(res.ttfts(sub), 95))} / {_ms(_p(res.tpots(sub), 95))}"
+
         rows.append(
             _md_row([
                 name, _pct(res.attainment(meas)),
                 f"{_ms(_p(res.ttfts(meas), 95))} / {_ms(_p(res.ttfts(meas), 99))}",
-                _ms(_p(res.tpots(meas), 95)), f"{float(np.mean(occ_max)):.3f}",
-                f"{_p(list(occ_max), 99):.3f}", f"{rejected} / {arrivals}", heavy_txt,
-                res.long_refused, f"{res.wall_s:.0f}",
+                _ms(_p(res.tpots(meas), 95)), cls("standard"), cls("best_effort"),
+                f"{float(np.mean(occ_max)):.3f}", f"{_p(list(occ_max), 99):.3f}",
+                f"{rejected} / {arrivals}", res.long_refused, f"{res.wall_s:.0f}",
             ])
         )  # fmt: skip
+    for name, res in results.items():
+        rows += ["", f"**{name}** — heavy tenants:", ""]
+        rows += _heavy_tenant_table(res, res.cfg.warmup_s, res.cfg.duration_s)
     path = out_dir / "fleet_sim_isolation.md"
     path.write_text("\n".join(rows) + "\n")
     return path
@@ -1168,6 +1370,13 @@ def highlights(
     ]
 
 
+def _loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -1183,7 +1392,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--replicas", type=int, default=None, help="fleet size (isolation runs)")
     ap.add_argument("--heavy-tenants", type=int, default=4)
+    ap.add_argument(
+        "--heavy-rps",
+        default="0.4",
+        help="comma-separated 128k req/s per heavy tenant, cycled (isolation runs)",
+    )
     ap.add_argument("--duration", type=float, default=None, help="model seconds per run")
+    ap.add_argument(
+        "--heavy-duration",
+        type=float,
+        default=None,
+        help="model seconds of the heavy-tenant runs (default: --duration)",
+    )
+    ap.add_argument(
+        "--size-range",
+        default="",
+        help="LO,HI[,STEP]: also bisect the replicas each policy needs for both SLOs "
+        "(isolation runs; LO assumed to miss, HI checked first)",
+    )
     args = ap.parse_args(argv)
     scale = Scale.quick() if args.quick else Scale()
     if args.isolation:
@@ -1191,13 +1417,27 @@ def main(argv: list[str] | None = None) -> int:
             scale = replace(scale, replicas=args.replicas)
         if args.duration:
             scale = replace(scale, duration_s=args.duration, warmup_s=args.duration * 0.4)
+        try:
+            heavy_rates = tuple(float(x) for x in args.heavy_rps.split(",") if x.strip())
+            bounds = [int(x) for x in args.size_range.split(",") if x.strip()]
+        except ValueError:
+            ap.error("--heavy-rps takes numbers, --size-range integers LO,HI[,STEP]")
+        if args.size_range and not (len(bounds) in (2, 3) and 0 < bounds[0] < bounds[1]):
+            ap.error("--size-range takes LO,HI[,STEP] with 0 < LO < HI")
         command = "python -m bench.fleet_sim " + " ".join(
             argv if argv is not None else sys.argv[1:]
         )
-        res = run_all(
-            isolation_experiments(scale, args.seed, args.heavy_tenants), workers=args.workers
+        load = "1-minute load average at the start " + _loadavg()
+        probes = None
+        if bounds:
+            step = bounds[2] if len(bounds) == 3 else 1
+            probes = fleet_sizing(scale, args.seed, bounds[0], bounds[1], step, args.workers)
+        exps = isolation_experiments(
+            scale, args.seed, args.heavy_tenants, heavy_rates, args.heavy_duration
         )
-        path = write_isolation_report(res, scale, command, args.out)
+        res = run_all(exps, workers=args.workers)
+        load += ", at the end " + _loadavg()
+        path = write_isolation_report(res, scale, command, args.out, probes, load)
         print(f"[fleet_sim] wrote {path}", flush=True)
         return 0
     command = (

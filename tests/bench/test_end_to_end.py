@@ -49,10 +49,16 @@ def test_noisy_neighbour_several_flooders_smoke(bench_redis_url: str, tmp_path: 
 
 def test_fleet_sim_isolation_quick(tmp_path: Path) -> None:
     argv = ["--quick", "--isolation", "--workers", "1", "--out", str(tmp_path)]
+    argv += ["--size-range", "4,16,4", "--heavy-rps", "0.5,1"]
     assert fleet_sim.main(argv) == 0
     report = (tmp_path / "fleet_sim_isolation.md").read_text()
-    for run_name in ("before (P2C + in-flight)", "isolation", "isolation, 4 heavy tenants"):
+    for run_name in ("old (P2C + in-flight), 4 heavy tenants", "new (isolation), 4 heavy tenants"):
         assert f"| {run_name} |" in report
+    # the sizing bisection: both policies probed at the top of the range first
+    assert "| old (P2C + in-flight) | 16 |" in report and "| new (isolation) | 16 |" in report
+    assert "- **old (P2C + in-flight): " in report and "- **new (isolation): " in report
+    # each heavy tenant's row, with its own offered rate
+    assert "| heavy-1 | 0.5 |" in report and "| heavy-2 | 1 |" in report
 
 
 def test_fleet_sim_quick(tmp_path: Path) -> None:
