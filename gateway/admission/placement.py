@@ -12,11 +12,8 @@ cache hit, say) cannot quietly bypass an older one:
   the replicas designated for long contexts (see below).
 - **bands** (multiples of ``BAND``): a preference no fractional term can override.
   Floor traffic: the reserved pool first. Long-context requests: the lowest-ranked
-  designated replica with room (packing: as few replicas as the ceilings allow), but one
-  where a long prefill this process sent is still running only after every designated
-  replica without one (a replica prefills one long prompt at a time, and a queued one
-  would hold a slot of the fleet's long-prefill budget doing nothing). Short requests:
-  replicas that host no long context first.
+  designated replica with room (packing: as few replicas as the ceilings allow). Short
+  requests: replicas that host no long context first.
 - **within a band** (|term| < ``BAND`` / 2): the load (scraped occupancy plus this
   process's optimistic in-flight KV) — the emptier the better — plus the affinity term:
   the prefill time the replica would save because it already holds the request's leading
@@ -175,9 +172,7 @@ def score(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig) -> flo
         if req.long_context:
             if view.long_rank < 0 or view.long_rank >= view.long_designated:
                 return None  # not a long-context replica: the budget's replicas only
-            band -= view.long_rank  # pack: the lowest-ranked one with room,
-            if view.long_prefilling:  # but not behind another long prefill while one is idle
-                band -= view.long_designated
+            band -= view.long_rank  # pack: the lowest-ranked one with room
         elif view.hosts_long:
             band -= 1  # short traffic keeps off long contexts while it has room elsewhere
     term = -view.load(cfg.optimistic_inflight) + net_affinity(view, req, cfg)

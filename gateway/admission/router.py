@@ -214,18 +214,9 @@ class Router:
                     ),
                     cache_hit_tokens=hit,
                     queued_prefill_tokens=queued,
-                    long_prefilling=self._long_prefilling(s.replica_id),
                 )
             )
         return out
-
-    def _long_prefilling(self, replica_id: str) -> bool:
-        """A long context this process dispatched to the replica has no first token yet."""
-        longs = self._long.get(replica_id)
-        if not longs:
-            return False
-        prefilling = self._prefilling.get(replica_id) or {}
-        return any(rid in prefilling for rid in longs)
 
     def with_hits(self, views: list[ReplicaView], query: PrefixQuery) -> list[ReplicaView]:
         """The views with ``cache_hit_tokens`` (the leading prompt tokens each replica is

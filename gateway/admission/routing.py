@@ -38,10 +38,6 @@ class ReplicaView:
     # (a long prefill arrives chunk by chunk) nor this process's in-flight record shows.
     long_floor: float = 0.0
     queued_prefill_tokens: int = 0
-    # A long context this process sent here has no first token yet: vLLM prefills one long
-    # prompt at a time (``--max-long-partial-prefills``), so another would queue behind it,
-    # holding a long-prefill slot of the fleet's budget while it waits.
-    long_prefilling: bool = False
 
     def load(self, optimistic: bool = True) -> float:
         if not optimistic or self.capacity_bytes <= 0:

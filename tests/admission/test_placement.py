@@ -44,7 +44,6 @@ def fleets(draw: st.DrawFn) -> list[ReplicaView]:
                 hosts_long=draw(st.booleans()),
                 cache_hit_tokens=draw(st.integers(0, 50_000)),
                 long_floor=draw(st.sampled_from([0.0, 0.0, 0.3, 0.9])),
-                long_prefilling=draw(st.booleans()),
             )
         )
     return out
@@ -125,10 +124,8 @@ def test_long_contexts_pack_onto_the_lowest_ranked_replica_with_room(
     req = PlacementRequest("standard", kv, long_context=True)
     pick = choose(views, req, CFG, random.Random(seed))
     ok = [v for v in views if allowed(v, req)]
-    # a replica already prefilling a long prompt comes after every one that is not
-    idle = [v for v in ok if not v.long_prefilling]
-    if idle or ok:
-        assert pick is not None and pick.long_rank == min(v.long_rank for v in idle or ok)
+    if ok:
+        assert pick is not None and pick.long_rank == min(v.long_rank for v in ok)
 
 
 @settings(max_examples=200, deadline=None)
@@ -185,21 +182,6 @@ def test_the_router_keeps_a_long_contexts_growth_reserved_until_it_finishes() ->
     assert loads[rec.replica_id] >= 0.10 + 0.1 - 1e-9
     router.on_finish(rec, "long")
     assert {v.replica_id: v.load() for v in router.views(VERSION)}[rec.replica_id] < 0.11
-
-
-def test_concurrent_long_prefills_spread_then_pack_again_at_the_first_token() -> None:
-    router, reg, _ = make(8)  # two of them designated for long contexts
-    reg.scrape(0.95, **{f"r{i}": 0.10 for i in range(8)})
-    first = router.choose(VERSION, "standard", 1000, long_context=True)
-    assert first is not None
-    router.on_dispatch(first, "a", 1000, long_context=True)
-    # while "a" prefills, the next long prompt takes another designated replica
-    second = router.choose(VERSION, "standard", 1000, long_context=True)
-    assert second is not None and second.replica_id != first.replica_id
-    # once "a" has its first token, long prompts pack onto its replica again
-    router.on_first_token(first, "a")
-    third = router.choose(VERSION, "standard", 1000, long_context=True)
-    assert third is not None and third.replica_id == first.replica_id
 
 
 def test_plain_p2c_when_context_placement_is_off() -> None:
