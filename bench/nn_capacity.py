@@ -18,11 +18,12 @@ tenant rates follow the same two steps instead of constants:
 3. The reserved pool is sized for its own promise, not the shared pool's: enterprise is
    promised both SLOs on 99.9 % of the requests that can meet them at all (the prompt's
    lone prefill under the TTFT target). A replica at the shared pool's rate gives ~97 % of
-   them (the heavy tail's queueing), so ``reserved_capacity_rps`` bisects for the highest
-   rate at which one replica, alone in virtual time, serves 99.9 % of feasible requests
-   within both SLOs; the enterprise tenant is offered the same 85 % of that per reserved
-   replica. A reserved replica therefore carries several times fewer requests than a
-   shared one: that is what the reserved tier's price pays for (docs/operations.md).
+   them (the heavy tail's queueing), so ``replica_capacity_rps(reserved=True)`` bisects
+   for the highest rate at which one replica, alone in virtual time, serves 99.9 % of
+   feasible requests within both SLOs; the enterprise tenant is offered the same 85 % of
+   that per reserved replica. A reserved replica therefore carries several times fewer
+   requests than a shared one: that is what the reserved tier's price pays for
+   (docs/operations.md).
 
 The flooding tenants are not part of the sized load: they are the disturbance.
 """
@@ -183,38 +184,17 @@ def replica_capacity_rps(
     lo: float = 0.25,
     hi: float = 8.0,
     steps: int = 6,
+    reserved: bool = False,
     log: Callable[[Probe], None] | None = None,
 ) -> float:
-    """The SLO-holding rate of one bench replica (see the module doc)."""
+    """The SLO-holding rate of one bench replica (see the module doc); with ``reserved``,
+    the rate that also keeps the reserved tier's attainment (``Probe.holds_reserved``)."""
 
     def holds(rate: float) -> bool:
         p = probe_replica(profile, rate, k=k, long_prefill_tokens=long_prefill_tokens)
         if log is not None:
             log(p)
-        return p.holds
-
-    return bisect_rate(holds, lo, hi, steps)
-
-
-def reserved_capacity_rps(
-    profile: Profile,
-    *,
-    k: int,
-    long_prefill_tokens: int,
-    hi: float,
-    lo: float = 0.02,
-    steps: int = 6,
-    log: Callable[[Probe], None] | None = None,
-) -> float:
-    """The highest rate at which one bench replica serves ``RESERVED_ATTAINMENT`` of the
-    feasible requests within both SLOs, and its p95s too (see the module doc); ``hi`` is
-    the shared capacity, which it cannot exceed."""
-
-    def holds(rate: float) -> bool:
-        p = probe_replica(profile, rate, k=k, long_prefill_tokens=long_prefill_tokens)
-        if log is not None:
-            log(p)
-        return p.holds_reserved
+        return p.holds_reserved if reserved else p.holds
 
     return bisect_rate(holds, lo, hi, steps)
 
@@ -296,9 +276,10 @@ def derived_load(
 ) -> DerivedLoad:
     """The bench's rates for ``profile`` (the coarse one the bench's replicas run)."""
     capacity = replica_capacity_rps(profile, k=k, long_prefill_tokens=long_prefill_tokens)
-    reserved = reserved_capacity_rps(
-        profile, k=k, long_prefill_tokens=long_prefill_tokens, hi=capacity
-    )
+    reserved = replica_capacity_rps(
+        profile, k=k, long_prefill_tokens=long_prefill_tokens, lo=0.02, hi=capacity,
+        reserved=True,
+    )  # fmt: skip
     shared = {f"std-{i + 1}": STANDARD_WEIGHT for i in range(standard_tenants)}
     shared["free"] = FREE_WEIGHT
     rates = derive_rates(
