@@ -98,34 +98,18 @@ class Fixture:
 
 
 def seed() -> Fixture:
-    from catalog import services as catalog_services
-    from catalog.models import ModelFamily, ModelVersion
+    from catalog.testing import priced_version
     from tenants.models import Plan, Tenant
 
     plan, _ = Plan.objects.get_or_create(
         name="bench-ingest", defaults={"admission_class": "standard"}
     )
-    family, _ = ModelFamily.objects.get_or_create(
-        name="bench-8b", defaults={"display_name": "Bench 8B"}
+    version = priced_version(
+        family="bench-8b",
+        display_name="Bench 8B",
+        version="bench-8b-2026-05",
+        actor_label="system:bench.ingest",
     )
-    version, created = ModelVersion.objects.get_or_create(
-        name="bench-8b-2026-05",
-        defaults={
-            "family": family,
-            "context_length": 131072,
-            "kv_bytes_per_token": 131072,
-            "tpot_target_ms": 50,
-            "kv_capacity_tokens": 440000,
-        },
-    )
-    if created:
-        catalog_services.version_first_price(
-            version=version,
-            prompt="0.20",
-            cached_prompt="0.05",
-            completion="0.60",
-            actor_label="system:bench.ingest",
-        )
     have = list(Tenant.objects.filter(plan=plan).values_list("id", flat=True)[:TENANTS])
     if len(have) < TENANTS:
         # bulk_create: no per-tenant read-model push (the gateway plays no part here).

@@ -21,8 +21,8 @@ import orjson
 import pytest
 from django.db import connection
 
-from catalog import services as catalog_services
-from catalog.models import ModelFamily, ModelVersion
+from catalog.models import ModelVersion
+from catalog.testing import priced_version
 from fairway.embedded import EmbeddedServices
 from metering.consumer import ConsumerConfig, UsageConsumer
 from metering.models import Usage
@@ -63,27 +63,9 @@ class World:
 
 def make_world(n_tenants: int = 3) -> World:
     plan = Plan.objects.create(name=f"p-{uuid.uuid4().hex[:6]}", admission_class="standard")
-    family, _ = ModelFamily.objects.get_or_create(
-        name="llama-8b", defaults={"display_name": "Llama 8B"}
+    version = priced_version(
+        family="llama-8b", display_name="Llama 8B", version=VERSION, actor_label="system:tests"
     )
-    version, created = ModelVersion.objects.get_or_create(
-        name=VERSION,
-        defaults={
-            "family": family,
-            "context_length": 131072,
-            "kv_bytes_per_token": 131072,
-            "tpot_target_ms": 50,
-            "kv_capacity_tokens": 440000,
-        },
-    )
-    if created:
-        catalog_services.version_first_price(
-            version=version,
-            prompt="0.20",
-            cached_prompt="0.05",
-            completion="0.60",
-            actor_label="system:tests",
-        )
     tenants = [
         Tenant.objects.create(name=f"t-{uuid.uuid4().hex[:8]}", plan=plan).id
         for _ in range(n_tenants)
