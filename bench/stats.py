@@ -57,8 +57,8 @@ def percentile(values: Sequence[float] | np.ndarray, q: float) -> float:
 
 
 def ratio_interval(
-    xs: Sequence[float],
-    ys: Sequence[float],
+    xs: Sequence[float] | np.ndarray,
+    ys: Sequence[float] | np.ndarray,
     q: float = 95.0,
     *,
     level: float = 0.95,
