@@ -97,3 +97,17 @@ def test_several_flooders_report_where_the_routing_put_the_work() -> None:
     spread = next(line for line in lines if line.startswith("Shared replicas"))
     assert "r0 300 req, batch 20.0 / 40; r1 310 req, batch 20.0 / 40." in spread
     assert "per sample: median 40, p95 40." in spread
+
+
+def test_pooled_ratios_put_every_seeds_requests_together_without_the_flooders() -> None:
+    from bench.nn_multi import pooled_lines
+
+    def run(arm: str, ttft: float, tenant: str = "std-1") -> ArmResult:
+        return ArmResult(arm, [_o(tenant, float(i), ttft) for i in range(30)], {}, 0, 1, 10)
+
+    noisy = run("c", 9.0, "noisy")
+    first = ArmResult("c", [*run("c", 0.9).outcomes, *noisy.outcomes], {}, 0, 1, 10)
+    runs = [(first, run("quiet", 0.5)), (run("c", 0.9), run("quiet", 0.5))]
+    lines, worst_ttft, worst_tpot = pooled_lines(runs, {"noisy"})
+    assert len(lines) == 1 and lines[0].startswith("| std-1 | 1.80x (1.80–1.80), n=60 |")
+    assert worst_ttft == 1.8 and worst_tpot == 1.0
