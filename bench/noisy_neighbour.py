@@ -70,12 +70,16 @@ ARM_TITLES = {
     "fcfs": "(c) on fcfs replicas (no --scheduling-policy priority)",
     "c0": "(c0) Fairway without long-context isolation",
     "cache": "(c) with cache-aware routing (GATEWAY_ADMISSION_STRATEGY=cache_aware)",
+    "quiet2": "the quiet baseline again (its ratio to the first: the run-to-run noise floor)",
 }
 # "c0": Fairway before long-context isolation (no long-context budget, P2C placement blind
 # to long contexts, a request's own KV not counted against the ceiling) — the comparison
 # arm of the several-flooding-tenants runs (bench/nn_multi.py).
 # "cache": arm c with cache-aware routing (bench/prefix_routing.py compares it with c).
-EXTRA_ARMS = ("c0", "cache")
+# "quiet2": the quiet workload run a second time, compared with the first like any arm: what
+# the ratios of a run without any flooding tenant look like (bench/nn_multi.py).
+EXTRA_ARMS = ("c0", "cache", "quiet2")
+QUIET_ARMS = ("quiet", "quiet2")  # arms that run the workload without its flooding tenants
 
 
 # -- scaling ------------------------------------------------------------------------------
@@ -600,7 +604,7 @@ def run(cfg: NNConfig, arms: Sequence[str], out: Path, command: str,
             print(f"[noisy_neighbour] redis {redis_url}; {len(wl.requests)} requests per arm",
                   flush=True)  # fmt: skip
             for arm in arms:
-                arm_wl = wl.without_noisy() if arm == "quiet" else wl
+                arm_wl = wl.without_noisy() if arm in QUIET_ARMS else wl
                 res = run_arm(arm, cfg, arm_wl, profile, profile_file, redis_url, workdir)
                 results[arm] = res
                 print(f"[noisy_neighbour] arm {arm}: {len(res.outcomes)} measured requests, "

@@ -6,8 +6,10 @@ changing them records a ``catalog.services.price_change`` (from the current hour
 later one, with a reason) — the version's price history is shown read-only below it and
 under "Model prices"; nobody edits or deletes a price row (the database refuses too).
 A change not yet in force can be withdrawn from its page under "Model prices" (with a
-reason; ``catalog.services.price_change_withdraw``), by whoever may change the version's
-prices here: an operator with the version's change permission.
+reason; ``catalog.services.price_change_withdraw``). Every price write here (a version's
+first price, a change, a withdrawal) needs an operator with ``catalog.add_modelprice``,
+the permission the prices API asks for: a version's other fields need only its change
+permission, and without the price permission its price fields are shown read-only.
 """
 
 from __future__ import annotations
@@ -184,6 +186,13 @@ class ModelVersionForm(forms.ModelForm):
         return data
 
 
+PRICE_PERMISSION = "catalog.add_modelprice"  # the prices API's, for every price write
+
+
+def may_write_prices(request: HttpRequest) -> bool:
+    return is_operator(request.user) and request.user.has_perm(PRICE_PERMISSION)
+
+
 @admin.register(ModelVersion)
 class ModelVersionAdmin(OperatorAdminMixin, admin.ModelAdmin):
     form = ModelVersionForm
@@ -208,6 +217,27 @@ class ModelVersionAdmin(OperatorAdminMixin, admin.ModelAdmin):
     inlines = [ModelPriceInline, ReplicaInline]
     actions = ["make_current"]
 
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        # a new version is added with its first price
+        return super().has_add_permission(request) and may_write_prices(request)
+
+    def get_form(self, request: HttpRequest, obj: Any = None, **kwargs: Any) -> Any:
+        form = super().get_form(request, obj, **kwargs)
+        if obj is None or may_write_prices(request):
+            return form
+
+        class PricesShown(form):  # type: ignore[misc,valid-type]
+            """Prices shown, not changeable: disabled fields keep the prices in force, so
+            ``prices_changed`` is false whatever is posted. (Per instance: the class's
+            fields are shared with every other request's form.)"""
+
+            def __init__(self, *args: Any, **kw: Any) -> None:
+                super().__init__(*args, **kw)
+                for name in (*PRICE_FORM_FIELDS, "price_effective_from", "price_change_reason"):
+                    self.fields[name].disabled = True
+
+        return PricesShown
+
     @admin.display(description="price now (prompt / cached / completion per 1M)")
     def price_now(self, obj: ModelVersion) -> str:
         price = price_in_force(version=obj, at=timezone.now())
@@ -224,6 +254,8 @@ class ModelVersionAdmin(OperatorAdminMixin, admin.ModelAdmin):
         assert isinstance(form, ModelVersionForm)
         if not form.prices_changed():
             return
+        if not may_write_prices(request):  # the fields are disabled; never write regardless
+            raise PermissionDenied
         prompt, cached, completion = form.prices()
         who = {"actor": request.user, "actor_label": request.user.get_username()}
         if form.current_price is None:
@@ -278,8 +310,8 @@ class ModelPriceAdmin(admin.ModelAdmin):
         return [withdraw, *super().get_urls()]
 
     def may_withdraw(self, request: HttpRequest) -> bool:
-        """Whoever may change a version's prices on its admin form."""
-        return is_operator(request.user) and request.user.has_perm("catalog.change_modelversion")
+        """Whoever may schedule a price change (the prices API's permission)."""
+        return may_write_prices(request)
 
     @admin.display(description="withdraw")
     def withdraw(self, obj: ModelPrice) -> str:

@@ -21,7 +21,7 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.cache import add_never_cache_headers
 
-from tenants import services
+from tenants import services, staff_admin
 from tenants.models import (
     ApiKey,
     ApiKeyModelLimit,
@@ -185,3 +185,7 @@ class ApiKeyAdmin(OperatorAdminMixin, admin.ModelAdmin):
             services.api_key_revoke(api_key=api_key, revoked_by=request.user)
             count += 1
         self.message_user(request, f"Revoked {count} key(s).")
+
+
+# Staff accounts: only a superuser raises an account's powers (see the module).
+staff_admin.register(admin.site)

@@ -45,16 +45,24 @@ byte-level BPE tests/hardening/test_exact_tokens.py trains: ~0.1–0.6 ms per Ki
 English, CJK or punctuation soup alike (the spread is the machine's load). ``encode``
 holds the GIL; ``encode_batch_fast`` releases it, so a request body over
 ``INLINE_MAX_BYTES`` (4 KiB, ~0.5–2 ms) is counted in a bounded thread pool
-(``POOL_THREADS`` per process; requests past them queue) and the event loop keeps serving:
+(``CountingPool``, ``POOL_THREADS`` per process) and the event loop keeps serving:
 counting 256 KiB inline stalled the loop 88–524 ms, in the pool 4–13 ms. Smaller bodies
-are counted inline.
+are counted inline. Counting comes before any quota is charged, so the pool's queue is
+fair between tenants: each tenant's waiting counts form their own queue and the threads
+take the tenants in turn. A tenant with dozens of 1 MiB bodies waiting (up to its
+concurrent-request cap, ~0.5 s each) delays another tenant's large body by the counts
+already running and one more per tenant ahead in the turn, not by its whole backlog.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
+from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -147,15 +155,93 @@ class ExactCounter(Rule):
 
 
 _T = TypeVar("_T")
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-async def off_loop(size: int, count: Callable[[], _T]) -> _T:
-    """``count()`` inline for a body of at most INLINE_MAX_BYTES, else in the bounded
-    pool, so a large prompt's tokenization does not stall the event loop."""
-    global _pool
-    if size <= INLINE_MAX_BYTES:
-        return count()
-    if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="tokens")
-    return await asyncio.get_running_loop().run_in_executor(_pool, count)
+@dataclass(slots=True)
+class _Job:
+    count: Callable[[], Any]
+    done: asyncio.Future[Any]
+
+
+class CountingPool:
+    """The thread pool that counts large prompts off the event loop, fair between tenants:
+    a queue per tenant, served in turn (round robin) whenever a thread is free. One per
+    gateway process; ``close`` at shutdown."""
+
+    def __init__(self, threads: int = POOL_THREADS) -> None:
+        if threads < 1:
+            raise ValueError("threads >= 1")
+        self._threads = threads
+        self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tokens")
+        self._queues: dict[str, deque[_Job]] = {}
+        self._turns: deque[str] = deque()  # tenants with waiting jobs, in serving order
+        self._running = 0
+        self._closed = False
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    async def run(self, tenant_id: str, size: int, count: Callable[[], _T]) -> _T:
+        """``count()`` inline for a body of at most INLINE_MAX_BYTES, else on a pool
+        thread when ``tenant_id``'s turn comes."""
+        if size <= INLINE_MAX_BYTES or self._closed:  # closed: a straggler of the drain
+            return count()
+        done: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
+        queue = self._queues.get(tenant_id)
+        if queue is None:
+            queue = self._queues[tenant_id] = deque()
+            self._turns.append(tenant_id)
+        queue.append(_Job(count, done))
+        self._start()
+        # A caller that goes away (client gone, shutdown) cancels ``done``: a job not yet
+        # started is skipped; one running finishes on its thread and its result is dropped.
+        return await done
+
+    def _start(self) -> None:
+        while self._running < self._threads and self._turns:
+            tenant_id = self._turns.popleft()
+            queue = self._queues[tenant_id]
+            job = queue.popleft()
+            if queue:
+                self._turns.append(tenant_id)  # the tenant's next job waits for its turn
+            else:
+                del self._queues[tenant_id]
+            if job.done.done():  # cancelled while waiting
+                continue
+            self._running += 1
+            self._executor.submit(job.count).add_done_callback(
+                functools.partial(self._back, job.done.get_loop(), job)
+            )
+
+    def _back(
+        self, loop: asyncio.AbstractEventLoop, job: _Job, future: concurrent.futures.Future[Any]
+    ) -> None:
+        """On the pool's thread: hand the result to the event loop (unless it is gone)."""
+        with contextlib.suppress(RuntimeError):  # the loop closed while this counted
+            loop.call_soon_threadsafe(self._finished, future, job)
+
+    def _finished(self, future: concurrent.futures.Future[Any], job: _Job) -> None:
+        self._running -= 1
+        if future.cancelled():  # by ``close``
+            job.done.cancel()
+        elif not job.done.done():
+            if (exc := future.exception()) is not None:
+                job.done.set_exception(exc)
+            else:
+                job.done.set_result(future.result())
+        self._start()
+
+    def close(self) -> None:
+        """Stop taking jobs; waiting callers are cancelled, running counts are not awaited."""
+        self._closed = True
+        for queue in self._queues.values():
+            for job in queue:
+                job.done.cancel()
+        self._queues.clear()
+        self._turns.clear()
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -24,7 +24,7 @@ from gateway.admission.controller import AdmissionRequest
 from gateway.admission.idempotency import KIND_JSON, Claim, Replay, validate_key
 from gateway.admission.prefix import PrefixQuery
 from gateway.admission.retrymemory import RequestPrint, RetryIdentity, retryable
-from gateway.admission.tokens import RULE, Rule, off_loop
+from gateway.admission.tokens import RULE, CountingPool, Rule
 from gateway.endpoints.validation import GenerationRequest, apply_limits
 from gateway.errors import (
     ApiError,
@@ -107,6 +107,7 @@ class PipelineServices:
     recent_refusals: RecentRefusals
     exchange: ExchangeServices
     retries: RetryIdentity  # which requests are retries (docs/design.md R6)
+    counting: CountingPool  # large prompts counted off the event loop, fair between tenants
 
 
 class RequestPipeline:
@@ -182,8 +183,8 @@ class RequestPipeline:
             if counter is None:
                 prompt_estimate, longest = endpoint.prompt_estimate(req, RULE)
             else:  # the model's tokenizer: a large body is counted off the event loop
-                prompt_estimate, longest = await off_loop(
-                    len(body), lambda: endpoint.prompt_estimate(req, counter)
+                prompt_estimate, longest = await svc.counting.run(
+                    tenant_id, len(body), lambda: endpoint.prompt_estimate(req, counter)
                 )
             max_tokens = apply_limits(req, version, limit, longest)
             if hdrs.idempotency_key is not None:

@@ -36,6 +36,7 @@ from gateway.admission.prefix import KVEventSubscriber, PrefixIndex
 from gateway.admission.replicas import ReplicaRegistry
 from gateway.admission.retrymemory import RetryIdentity, RetryMemory, SharedRetryMarks
 from gateway.admission.router import Router
+from gateway.admission.tokens import CountingPool
 from gateway.config import GatewayConfig
 from gateway.endpoints.chat import ChatCompletions
 from gateway.endpoints.completions import Completions
@@ -137,6 +138,7 @@ class Gateway:
             self.metrics.redis_up.labels(role).set(0)
         self._probe: asyncio.Task[None] | None = None
         self.tenant_connections = TenantConnections(config.tenant_max_concurrent)
+        self.counting = CountingPool()
         self.recent_refusals = RecentRefusals()
         # New limits for a tenant: what its old ones refused is asked again at once.
         self.readmodel.on_tenant_change(self.recent_refusals.forget)
@@ -172,6 +174,7 @@ class Gateway:
                 recent_refusals=self.recent_refusals,
                 exchange=self.exchange_services,
                 retries=self.retries,
+                counting=self.counting,
             )
         )
 
@@ -341,6 +344,7 @@ class Gateway:
             await self.readmodel.stop()
         with contextlib.suppress(Exception):
             await self.upstream.aclose()
+        self.counting.close()
         # Blocking join of the producer thread: run it off the event loop.
         await asyncio.to_thread(self.usage.stop, 10.0)
         self.usage.close()

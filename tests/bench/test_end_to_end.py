@@ -45,6 +45,7 @@ def test_noisy_neighbour_several_flooders_smoke(bench_redis_url: str, tmp_path: 
     assert "`noisy-1`" in report and "`noisy-2`" in report  # each flooder's goodput
     assert "Enterprise attainment" in report and "Shared-pool peak KV occupancy" in report
     assert "behind the wall clock" in report
+    assert "## Seeds pooled" in report and "| 2 | c | 1 |" in report
 
 
 def test_fleet_sim_isolation_quick(tmp_path: Path) -> None:

@@ -77,3 +77,17 @@ def test_several_flooders_verdicts_need_a_quiet_baseline_and_count_prompt_tokens
     quiet = ArmResult("quiet", [_o("std-1", float(i), 0.5) for i in range(20)], {}, 0, 1, 10)
     _, same = evaluate(res, quiet, cfg, specs)
     assert same["TTFT p95 <= 1.10x quiet"] is True
+
+
+def test_pooled_ratios_put_every_seeds_requests_together_without_the_flooders() -> None:
+    from bench.nn_multi import pooled_lines
+
+    def run(arm: str, ttft: float, tenant: str = "std-1") -> ArmResult:
+        return ArmResult(arm, [_o(tenant, float(i), ttft) for i in range(30)], {}, 0, 1, 10)
+
+    noisy = run("c", 9.0, "noisy")
+    first = ArmResult("c", [*run("c", 0.9).outcomes, *noisy.outcomes], {}, 0, 1, 10)
+    runs = [(first, run("quiet", 0.5)), (run("c", 0.9), run("quiet", 0.5))]
+    lines, worst_ttft, worst_tpot = pooled_lines(runs, {"noisy"})
+    assert len(lines) == 1 and lines[0].startswith("| std-1 | 1.80x (1.80–1.80), n=60 |")
+    assert worst_ttft == 1.8 and worst_tpot == 1.0

@@ -61,3 +61,19 @@ def test_rolling_percentile_window() -> None:
     gx, gy = rolling_percentile(list(t), list(v), window_s=10, q=95, step_s=5)
     assert gy[gx < 45].max() == 1.0
     assert gy[gx > 65].min() == 10.0
+
+
+def test_ratio_interval_covers_the_true_ratio_and_narrows_with_more_requests() -> None:
+    from bench.stats import ratio_interval
+
+    rng = np.random.default_rng(1)
+    quiet = rng.lognormal(-1.0, 0.5, 2000)
+    slower = rng.lognormal(-1.0, 0.5, 2000) * 1.2  # a real 20 %
+    lo, hi = ratio_interval(slower, quiet)
+    assert lo < 1.2 < hi and lo > 1.0  # told apart from no difference
+    small_lo, small_hi = ratio_interval(slower[:100], quiet[:100])
+    assert small_hi - small_lo > 2 * (hi - lo)  # 100 requests: a much wider interval
+    same_lo, same_hi = ratio_interval(quiet[:200], quiet[200:400])
+    assert same_lo < 1.0 < same_hi  # two samples of one distribution
+    assert ratio_interval(slower, quiet) == (lo, hi)  # seeded: the same every time
+    assert all(math.isnan(x) for x in ratio_interval([], quiet))

@@ -244,11 +244,19 @@ def test_admin_withdraws_a_scheduled_change_for_those_who_change_prices(
 
     viewer = grant(make_user("price-viewer", is_staff=True), "catalog.view_modelprice")
     assert client(viewer).post(url, {"reason": "r"}).status_code == 403
+    # The version's change permission is not the price permission (the API's).
+    version_editor = grant(
+        make_user("version-editor", is_staff=True),
+        "tenants.operate",
+        "catalog.view_modelprice",
+        "catalog.change_modelversion",
+    )
+    assert client(version_editor).post(url, {"reason": "r"}).status_code == 403
     operator = grant(
         make_user("pricing-op", is_staff=True),
         "tenants.operate",
         "catalog.view_modelprice",
-        "catalog.change_modelversion",
+        "catalog.add_modelprice",
     )
     admin = client(operator)
     page = admin.get(f"/admin/catalog/modelprice/{scheduled.pk}/change/").content.decode()

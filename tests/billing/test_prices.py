@@ -409,6 +409,57 @@ def test_admin_adds_a_version_with_its_first_price(
     )
 
 
+def test_admin_price_writes_need_the_price_permission_not_the_version_one(
+    version_70b: ModelVersion, make_user: Callable[..., Any]
+) -> None:
+    """The admin asks for what the prices API asks for: ``catalog.add_modelprice``. An
+    operator who may edit a version but not its prices sees them read-only, and a post
+    that changes them writes nothing."""
+    from tests.controlplane.conftest import grant
+
+    editor = grant(
+        make_user("version-editor", is_staff=True),
+        "tenants.operate",
+        "catalog.view_modelversion",
+        "catalog.change_modelversion",
+        "catalog.add_modelversion",
+    )
+    client = Client()
+    client.force_login(editor)
+    url = f"/admin/catalog/modelversion/{version_70b.pk}/change/"
+    page = client.get(url)
+    assert page.status_code == 200
+    form = page.context["adminform"].form
+    assert form.fields["price_completion_per_mtok"].disabled
+    data = form_of(page)
+    page = client.post(
+        url,
+        {
+            **data,
+            "context_length": "65536",
+            "price_completion_per_mtok": "0.95",
+            "price_change_reason": "not allowed",
+        },
+    )
+    assert page.status_code == 302  # the version's own fields are saved ...
+    version_70b.refresh_from_db()
+    assert version_70b.context_length == 65536
+    # ... and its prices are not
+    assert ModelPrice.objects.filter(version=version_70b).count() == 1
+    assert client.get("/admin/catalog/modelversion/add/").status_code == 403  # needs a price
+
+    pricing = grant(editor, "catalog.add_modelprice")
+    client.force_login(pricing)
+    page = client.get(url)
+    assert not page.context["adminform"].form.fields["price_completion_per_mtok"].disabled
+    page = client.post(
+        url, {**form_of(page), "price_completion_per_mtok": "0.95", "price_change_reason": "ok"}
+    )
+    assert page.status_code == 302, page.context and page.context["adminform"].form.errors
+    assert ModelPrice.objects.filter(version=version_70b).count() == 2
+    assert client.get("/admin/catalog/modelversion/add/").status_code == 200
+
+
 def test_api_records_who_and_why_and_needs_the_permission(
     version_70b: ModelVersion, make_user: Callable[..., Any], client_for: Callable[..., Any]
 ) -> None:
