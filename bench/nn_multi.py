@@ -135,7 +135,7 @@ def _fmt(x: float, spec: str = ".2f") -> str:
 
 def evaluate(
     res: ArmResult, quiet: ArmResult, cfg: NNConfig, specs: Sequence[object]
-) -> tuple[list[str], dict[str, bool]]:
+) -> tuple[list[str], dict[str, bool | None]]:
     """Table lines and the target verdicts of one arm against its quiet baseline."""
     by_tenant, _ = summarise(res, specs)  # type: ignore[arg-type]
     quiet_by_tenant, _ = summarise(quiet, specs)  # type: ignore[arg-type]
@@ -172,6 +172,7 @@ def evaluate(
         tid: sum(1 for o in res.outcomes if o.tenant_id == tid and o.status in (429, 503))
         for tid in noisy_ids
     }
+    done_any = any(o.tenant_id in noisy_ids for o in res.outcomes)  # the arm sent floods
     fair = min(served.values(), default=0) > 0 and max(served.values()) <= 2 * min(served.values())
     slots = long_prompts_servable(cfg, res.measured_s)
     ent = [o for o in res.outcomes if o.admission_class == "reserved"]
@@ -200,17 +201,18 @@ def evaluate(
         f"{res.cpu_cores:.2f} cores busy."
     )
     lines.append(_replica_spread(res, cfg.shared_replicas))
-    verdicts = {
+    verdicts: dict[str, bool | None] = {
         "TTFT p95 <= 1.10x quiet": worst_ttft <= 1.10,
         "TPOT p95 <= 1.05x quiet": worst_tpot <= 1.05,
         "both SLOs held": slo_ok,
         "shared occupancy <= 0.85": not (peak > STANDARD_CEILING),
-        "flooders' served prompt tokens within 2x": fair,
+        # None: not applicable (an arm without flooding tenants, quiet2)
+        "flooders' served prompt tokens within 2x": fair if noisy_ids and done_any else None,
         "enterprise (feasible) >= 99.9 %": _attainment(ent_feasible) >= 0.999,
     }
     lines.append(
         f"Worst ratio: TTFT {worst_ttft:.2f}x, TPOT {worst_tpot:.2f}x. "
-        + " · ".join(f"{'✅' if ok else '❌'} {name}" for name, ok in verdicts.items())
+        + " · ".join(f"{_mark(ok)} {name}" for name, ok in verdicts.items())
     )
     return lines, verdicts
 
@@ -243,6 +245,10 @@ def _replica_spread(res: ArmResult, shared: int) -> str:
         + f". Largest running + waiting of them per sample: median {largest[rounds // 2]:.0f}, "
         f"p95 {p95(largest):.0f}."
     )
+
+
+def _mark(ok: bool | None) -> str:
+    return "—" if ok is None else "✅" if ok else "❌"
 
 
 def run_multi(
@@ -308,7 +314,7 @@ def run_multi(
                         ]
                         summary.append(
                             f"| {n} | {seed} | {arm} | "
-                            + " | ".join("✅" if v else "❌" for v in verdicts.values())
+                            + " | ".join(_mark(v) for v in verdicts.values())
                             + " |"
                         )
                         verdict_names = list(verdicts)

@@ -77,6 +77,9 @@ def test_several_flooders_verdicts_need_a_quiet_baseline_and_count_prompt_tokens
     quiet = ArmResult("quiet", [_o("std-1", float(i), 0.5) for i in range(20)], {}, 0, 1, 10)
     _, same = evaluate(res, quiet, cfg, specs)
     assert same["TTFT p95 <= 1.10x quiet"] is True
+    # the quiet workload again (arm quiet2) has no flood to be fair about: not applicable
+    _, again = evaluate(quiet, quiet, cfg, specs)
+    assert again["flooders' served prompt tokens within 2x"] is None
 
 
 def test_several_flooders_report_where_the_routing_put_the_work() -> None:

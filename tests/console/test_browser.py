@@ -452,6 +452,9 @@ def _keep_busy(client: Any, stop: threading.Event) -> None:
                 messages=[{"role": "user", "content": "tell a long story " * 400}],
                 max_tokens=2000,
                 stream=True,
+                # long for certain: a natural end drawn early would leave the replica idle
+                # between requests while the page polls
+                extra_body={"ignore_eos": True},
             )
             for _chunk in stream:
                 if stop.is_set():

@@ -71,7 +71,12 @@ def test_openai_client_json_and_streaming(
     tenant = seeder.tenant()
     client = client_for(gateway, tenant)
 
-    raw = client.chat.completions.with_raw_response.create(model=FAMILY, messages=HI, max_tokens=16)
+    # Each request runs to max_tokens (ignore_eos): the emulator draws a natural end that now
+    # and then falls below a small max_tokens, and this test counts the tokens.
+    full = {"ignore_eos": True}
+    raw = client.chat.completions.with_raw_response.create(
+        model=FAMILY, messages=HI, max_tokens=16, extra_body=full
+    )
     completion = raw.parse()
     request_id = raw.headers["x-request-id"]
     assert len(request_id) == 32 and completion.id == f"chatcmpl-{request_id}"
@@ -89,6 +94,7 @@ def test_openai_client_json_and_streaming(
             max_tokens=8,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body=full,
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -98,7 +104,9 @@ def test_openai_client_json_and_streaming(
 
     # Without include_usage the upstream usage chunk is not passed on.
     plain = list(
-        client.chat.completions.create(model=FAMILY, messages=HI, max_tokens=5, stream=True)
+        client.chat.completions.create(
+            model=FAMILY, messages=HI, max_tokens=5, stream=True, extra_body=full
+        )
     )
     assert all(c.choices and c.usage is None for c in plain)
     assert plain[-1].choices[0].finish_reason == "length"
@@ -463,18 +471,27 @@ def test_replica_errors_before_and_after_first_token(
             client.chat.completions.create(model=FAMILY, messages=HI, stream=True)
         assert busy.value.status_code == 503 and "retry-after" in busy.value.response.headers
         set_faults(replica, refuse_503=False, fail_after_tokens=3)
+        # ignore_eos: a natural end drawn at 3 tokens or fewer would finish before the fault.
         with httpx.stream(
             "POST",
             gateway.base_url + "/v1/chat/completions",
             headers={"authorization": f"Bearer {tenant.secret}"},
-            json={"model": FAMILY, "messages": HI, "max_tokens": 50, "stream": True},
+            json={
+                "model": FAMILY,
+                "messages": HI,
+                "max_tokens": 50,
+                "stream": True,
+                "ignore_eos": True,
+            },
             timeout=30,
         ) as response:
             assert response.status_code == 200
             data = list(sse_lines(response))
         assert data[-1] == "[DONE]" and "error" in orjson.loads(data[-2])
         with pytest.raises(openai.APIStatusError) as failed:  # JSON: an honest status
-            client.chat.completions.create(model=FAMILY, messages=HI, max_tokens=50)
+            client.chat.completions.create(
+                model=FAMILY, messages=HI, max_tokens=50, extra_body={"ignore_eos": True}
+            )
         assert failed.value.status_code == 502
     finally:
         set_faults(replica, refuse_503=False, fail_after_tokens=None)
@@ -508,6 +525,7 @@ def test_idempotent_replay_json_and_sse_without_second_charge(
             "max_tokens": 12,
             "stream": True,
             "stream_options": {"include_usage": True},
+            "ignore_eos": True,  # runs to max_tokens: the replay below counts 12 tokens
         }
     )
     with httpx.stream(
@@ -528,6 +546,7 @@ def test_idempotent_replay_json_and_sse_without_second_charge(
             max_tokens=12,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
     )
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12

@@ -152,7 +152,13 @@ def test_replica_error_text_does_not_reach_the_client(
     seeder.set_replicas([("r1", replica.base_url)])
     gw = gateways(None)
     tenant = seeder.tenant()
-    body = {"model": VERSION, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}
+    # ignore_eos: a natural end drawn at 2 tokens or fewer would finish before the fault.
+    body = {
+        "model": VERSION,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 32,
+        "ignore_eos": True,
+    }
     auth = {"authorization": f"Bearer {tenant.secret}"}
     try:
         set_faults(replica, fail_after_tokens=2)
