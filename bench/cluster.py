@@ -289,8 +289,13 @@ def describe_tree(root: Path) -> str:
 class ReplicaTrace:
     t: list[float] = field(default_factory=list)  # model seconds since the arm started
     occupancy: list[float] = field(default_factory=list)
+    # vllm:num_requests_running + _waiting at each sample (the decode batch and its queue)
+    batch: list[float] = field(default_factory=list)
     preemptions: float = 0.0
     preemptions_at_start: float | None = None
+    # vllm:request_success_total at the last sample: requests the replica finished (the
+    # benches start fresh replicas per arm)
+    finished: float = 0.0
     # Model seconds the replica skipped because the box could not keep its pace (CPU-bound):
     # latencies measured while it lagged are inflated by about this much.
     clock_lag_s: float = 0.0
@@ -298,7 +303,8 @@ class ReplicaTrace:
 
 
 class MetricsScraper:
-    """Polls every replica's /metrics on the load generator's loop (KV occupancy, preemptions)."""
+    """Polls every replica's /metrics on the load generator's loop (KV occupancy, running +
+    waiting requests, finished requests, preemptions)."""
 
     def __init__(self, replicas: Sequence[Replica], speed: float, interval_s: float = 0.5) -> None:
         self.replicas = list(replicas)
@@ -329,6 +335,11 @@ class MetricsScraper:
                         if occ is not None:
                             tr.t.append((loop.time() - t0) * self.speed)
                             tr.occupancy.append(occ)
+                            tr.batch.append(
+                                sums.get("vllm:num_requests_running", 0.0)
+                                + sums.get("vllm:num_requests_waiting", 0.0)
+                            )
+                        tr.finished = sums.get("vllm:request_success_total", tr.finished)
                         if pre is not None:
                             if tr.preemptions_at_start is None:
                                 tr.preemptions_at_start = pre

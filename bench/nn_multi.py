@@ -200,6 +200,7 @@ def evaluate(
         f"skipped {lag:.1f} model-s behind the wall clock; {res.wall_s:.0f} s wall, "
         f"{res.cpu_cores:.2f} cores busy."
     )
+    lines.append(_replica_spread(res, cfg.shared_replicas))
     verdicts: dict[str, bool | None] = {
         "TTFT p95 <= 1.10x quiet": worst_ttft <= 1.10,
         "TPOT p95 <= 1.05x quiet": worst_tpot <= 1.05,
@@ -214,6 +215,36 @@ def evaluate(
         + " · ".join(f"{_mark(ok)} {name}" for name, ok in verdicts.items())
     )
     return lines, verdicts
+
+
+def _replica_spread(res: ArmResult, shared: int) -> str:
+    """Where the routing put the work: per shared replica, the requests it finished and its
+    running + waiting requests (the decode batch TPOT grows with), mean and p95 over the
+    arm's samples; and the largest of them at each sample (the scraper polls every replica
+    once per round), median and p95: a herd shows there and not in the means, as it moves
+    from replica to replica scrape after scrape."""
+    named = [(i, tr) for i in range(shared) if (tr := res.traces.get(f"r{i}")) and tr.batch]
+    traces = [tr for _, tr in named]
+    if not traces:
+        return "Shared replicas: running + waiting not sampled."
+
+    def p95(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(0.95 * len(xs)))]
+
+    parts = [
+        f"r{i} {tr.finished:.0f} req, batch {sum(tr.batch) / len(tr.batch):.1f} / "
+        f"{p95(tr.batch):.0f}"
+        for i, tr in named
+    ]
+    rounds = min(len(tr.batch) for tr in traces)
+    largest = sorted(max(tr.batch[k] for tr in traces) for k in range(rounds))
+    return (
+        "Shared replicas (requests finished, running + waiting mean / p95): "
+        + "; ".join(parts)
+        + f". Largest running + waiting of them per sample: median {largest[rounds // 2]:.0f}, "
+        f"p95 {p95(largest):.0f}."
+    )
 
 
 def _mark(ok: bool | None) -> str:

@@ -40,26 +40,37 @@ replica it just filled). Everything else samples two of them and takes the bette
 two choices): the scrape is ~250 ms stale and a busy gateway decides dozens of times in that
 window; the best of all would herd onto one replica (see ``bench/herd.py``).
 
-With strategy ``cache_aware`` and a request's ``PrefixTerms``, a request with nothing to
-follow (``follows_affinity``: no candidate holds part of its prompt, no client hint, no tenant
-replicas, and ``affinity_rendezvous`` off) is placed exactly as P2C places it: the same draw
-from the router's rng, the same comparison, so traffic without shared prefixes (the herd) is
-routed as P2C routes it. Otherwise (``_choose_cache_aware``) random sampling would rarely
-include the replica holding the prefix, so within the band:
-bounded load when some replica holds part of the prompt (or with
-``affinity_tenant_replicas``) — only replicas whose load (with
-the queued prefill) is at most
+With strategy ``cache_aware`` and a request's ``PrefixTerms``, only what a replica holds
+beyond what every candidate of the band holds counts as affinity (``distinct_hit``; ``choose``
+fills in ``PlacementRequest.common_hit_tokens``): leading blocks every replica holds (a chat
+template's header, a tenant's short system prompt sent everywhere) save the same prefill
+wherever the request goes. Counted as a hit they made every replica a "holder", and the best
+score among equal holders is the emptiest replica on a ~250 ms stale scrape: pick-the-emptiest,
+the herd P2C exists to avoid (bench/results/nn_cache_vs_p2c: standard tenants' TPOT p95 up to
+1.8x their quiet baseline against 1.1x under P2C in the same run). A request with nothing
+to follow (``follows_affinity``: no candidate holds more of its prompt than another, no
+client hint, no tenant replicas, and ``affinity_rendezvous`` off) is placed exactly as P2C
+places it: the same draw from the router's rng, the same comparison, so traffic without
+shared prefixes (the herd) is routed as P2C routes it. Otherwise (``_choose_cache_aware``)
+random sampling would rarely include the replica holding the prefix, so within the band:
+bounded load when some replica holds part of the prompt (even a part every replica holds: a
+hot prefix all the same), or with ``affinity_tenant_replicas`` — only replicas whose load
+(with the queued prefill) is at most
 ``max(mean x affinity_load_factor, mean + affinity_load_slack)`` of the band are candidates
 (consistent hashing with bounded loads: a hot prefix spills to another replica instead of
-piling onto one) — then the best score if any candidate holds part of the prompt;
-otherwise the better of the first two replicas in the placement key's rendezvous order (the
-same two in every gateway process, so a conversation's or a system prompt's first requests
-meet; distinct keys give uniform, independent pairs, as P2C's draws are, but not the same
-ones), within the tenant's own replicas when ``affinity_tenant_replicas`` is set.
+piling onto one). Then, if some candidate holds more of the prompt than another, the best
+score decides how much of the prompt the choice follows, and among the candidates holding
+exactly that much (a prefix spread over several replicas) the better of the first two in the
+placement key's rendezvous order: the same rule of two choices as P2C, not the best of all
+of them. Otherwise the better of the first two replicas in the placement key's rendezvous
+order (the same two in every gateway process, so a conversation's or a system prompt's first
+requests meet; distinct keys give uniform, independent pairs, as P2C's draws are, but not the
+same ones), within the tenant's own replicas when ``affinity_tenant_replicas`` is set.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
@@ -86,6 +97,10 @@ class PlacementRequest:
     # The KV its decode will add after admission (the output the admission's KV charge
     # assumes, times the sequences): a long context's ceiling check reserves it.
     growth_bytes: int = 0
+    # Cached tokens every candidate of the band holds (``choose`` fills it in): a hit that
+    # is the same everywhere saves the same prefill wherever the request goes, so only what a
+    # replica holds beyond it (``distinct_hit``) is affinity.
+    common_hit_tokens: int = 0
 
 
 def in_band(term: float) -> float:
@@ -123,13 +138,21 @@ def _prefill_rate(req: PlacementRequest, cfg: AdmissionConfig) -> float:
     return cfg.affinity_prefill_tokens_per_s
 
 
+def distinct_hit(view: ReplicaView, req: PlacementRequest) -> int:
+    """The prompt tokens this replica holds beyond what every candidate holds
+    (``common_hit_tokens``): the part of its hit that is a reason to choose it."""
+    return max(0, view.cache_hit_tokens - req.common_hit_tokens)
+
+
 def affinity(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig) -> float:
     """The expected-cache-hit term: the prefill seconds this replica saves because it holds
-    the request's leading prompt tokens (``cache_hit_tokens`` / the prefill rate), in units
-    of occupancy (``affinity_load_cost_s`` seconds = one full replica of load)."""
-    if view.cache_hit_tokens <= 0:
+    the request's leading prompt tokens beyond what every candidate holds (``distinct_hit`` /
+    the prefill rate), in units of occupancy (``affinity_load_cost_s`` seconds = one full
+    replica of load)."""
+    hit = distinct_hit(view, req)
+    if hit <= 0:
         return 0.0
-    return view.cache_hit_tokens / _prefill_rate(req, cfg) / cfg.affinity_load_cost_s
+    return hit / _prefill_rate(req, cfg) / cfg.affinity_load_cost_s
 
 
 def queue_term(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig) -> float:
@@ -195,13 +218,14 @@ def choose(
     cands = [(s, v) for s, v in scored if band_of(s) == top]
     if len(cands) == 1:
         return cands[0][1]
-    if (
-        cfg.strategy == "cache_aware"
-        and req.prefix is not None
-        and not req.long_context
-        and follows_affinity(cands, req.prefix, cfg)
-    ):
-        return _choose_cache_aware(cands, req.prefix, cfg)
+    if cfg.strategy == "cache_aware" and req.prefix is not None and not req.long_context:
+        common = min(v.cache_hit_tokens for _, v in cands)
+        if common > 0:  # a hit every candidate holds is no reason to prefer any of them
+            req = dataclasses.replace(req, common_hit_tokens=common)
+            # the same replicas, bands and eligibility: only the affinity term changes
+            cands = [(s, v) for _, v in cands if (s := score(v, req, cfg)) is not None]
+        if follows_affinity(cands, req, cfg):
+            return _choose_cache_aware(cands, req, cfg)
     if cfg.strategy == "round_robin":
         return cands[turn % len(cands)][1]
     if req.long_context or cfg.strategy == "emptiest":
@@ -211,18 +235,20 @@ def choose(
 
 
 def follows_affinity(
-    cands: Sequence[tuple[float, ReplicaView]], prefix: PrefixTerms, cfg: AdmissionConfig
+    cands: Sequence[tuple[float, ReplicaView]], req: PlacementRequest, cfg: AdmissionConfig
 ) -> bool:
     """Whether cache-aware routing has anything to follow among the candidates: some
-    replica holds part of the prompt, the client gave an affinity hint, the tenant has home
-    replicas, or new prefixes are placed by rendezvous (``affinity_rendezvous``: gateway
-    processes blind to each other's placements). Otherwise the request is placed exactly as
-    P2C places it: the same draw of two from the router's rng, the same comparison."""
+    replica holds more of the prompt than the others (``distinct_hit``), the client gave an
+    affinity hint, the tenant has home replicas, or new prefixes are placed by rendezvous
+    (``affinity_rendezvous``: gateway processes blind to each other's placements). Otherwise
+    the request is placed exactly as P2C places it: the same draw of two from the router's
+    rng, the same comparison."""
+    assert req.prefix is not None
     return (
         cfg.affinity_rendezvous
-        or prefix.hinted
+        or req.prefix.hinted
         or 0 < cfg.affinity_tenant_replicas < len(cands)
-        or any(v.cache_hit_tokens > 0 for _, v in cands)
+        or any(distinct_hit(v, req) > 0 for _, v in cands)
     )
 
 
@@ -234,18 +260,21 @@ def load_bound(loads: Sequence[float], cfg: AdmissionConfig) -> float:
 
 
 def _choose_cache_aware(
-    cands: Sequence[tuple[float, ReplicaView]], prefix: PrefixTerms, cfg: AdmissionConfig
+    cands: Sequence[tuple[float, ReplicaView]], req: PlacementRequest, cfg: AdmissionConfig
 ) -> ReplicaView:
-    """Within one band (see the module doc): when anyone holds part of the prompt, the load
-    bound, then the best score; else (or when every holder is past the bound) the better
-    of two rendezvous choices of the placement key."""
+    """Within one band (see the module doc): when some replica holds part of the prompt,
+    the load bound; then, when some replica within it holds more of the prompt than the
+    others, the best score, or the better of two among the replicas holding as much as the
+    best; else the better of two rendezvous choices of the placement key."""
+    prefix = req.prefix
+    assert prefix is not None
     within = {v.replica_id: (s, v) for s, v in cands}
     tenant_homes = 0 < cfg.affinity_tenant_replicas < len(cands)
     if tenant_homes or any(v.cache_hit_tokens > 0 for _, v in cands):
         # The bound guards affinity (and a tenant's home replicas): a holder's queued prefill
-        # counts as its load, so a hot prefix spills before its queue grows. Otherwise
-        # unmatched traffic is not bounded: it takes the less loaded of two, as P2C does.
-        req = PlacementRequest("standard", 0, prefix=prefix)  # only the rate is read
+        # counts as its load, so a hot prefix spills before its queue grows; a prefix every
+        # replica holds is still a hot one. Otherwise unmatched traffic is not bounded: it
+        # takes the less loaded of two, as P2C does.
         loads = {
             v.replica_id: v.load(cfg.optimistic_inflight) + queue_term(v, req, cfg)
             for _, v in cands
@@ -254,10 +283,14 @@ def _choose_cache_aware(
         # the least loaded candidate is always within (the bound is at least the mean)
         within = {rid: sv for rid, sv in within.items() if loads[rid] <= bound}
     ranked = rendezvous_order(prefix.placement_key, [v for _, v in within.values()])
-    if any(v.cache_hit_tokens > 0 for v in ranked):
+    if any(distinct_hit(v, req) > 0 for v in ranked):
         # max keeps the first of equal scores: the rendezvous order breaks ties alike
-        return max(ranked, key=lambda v: within[v.replica_id][0])
-    if tenant_homes:
+        best = max(ranked, key=lambda v: within[v.replica_id][0])
+        # Among replicas that hold as much of the prompt as the best (they save the same
+        # prefill; a prefix spread over several), load decides, and the best of all of them
+        # on a stale scrape is pick-the-emptiest: the herd. The better of two, as P2C.
+        ranked = [v for v in ranked if distinct_hit(v, req) == distinct_hit(best, req)]
+    elif tenant_homes:
         home = {
             v.replica_id
             for v in rendezvous_order(prefix.tenant_key, [v for _, v in cands])[

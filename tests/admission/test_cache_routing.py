@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from gateway.admission import config, placement, routing
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.placement import PlacementRequest, choose, load_bound, score
-from gateway.admission.prefix import make_query
+from gateway.admission.prefix import PrefixQuery, make_query
 from gateway.admission.router import Router
 from gateway.admission.routing import PrefixTerms, ReplicaView
 from gateway.config import GatewayConfig
@@ -95,8 +95,9 @@ def test_same_band_as_p2c_and_never_above_the_ceiling_or_the_load_bound(
         for v in views
         if (b := score(v, r, CFG)) is not None and placement.band_of(b) == placement.band_of(top)
     ]
-    if not r.long_context and len(band) > 1 and any(v.cache_hit_tokens for v in band):
-        # the bound guards affinity; unmatched traffic takes the better of two, as P2C
+    if not r.long_context and len(band) > 1 and len({v.cache_hit_tokens for v in band}) > 1:
+        # the bound guards affinity (some replica holds more of the prompt than another);
+        # unmatched traffic, or a hit every candidate holds, takes the better of two, as P2C
         assert pick.load() <= load_bound([v.load() for v in band], CFG) + 1e-12
 
 
@@ -183,6 +184,63 @@ def test_with_nothing_to_follow_cache_aware_is_p2c(
     assert ours.getstate() == theirs.getstate()
 
 
+@settings(max_examples=400, deadline=None)
+@given(fleets(), requests, st.integers(0, 2**32), st.integers(1, 5_000))
+def test_a_hit_every_replica_holds_changes_nothing(
+    views: list[ReplicaView], r: PlacementRequest, seed: int, common: int
+) -> None:
+    """A prompt's leading blocks that every replica holds (a chat template's header, a
+    tenant's short system prompt) save the same prefill wherever the request goes: the
+    choice, and the rng it leaves, are what they would be without them. (Counted as a hit,
+    they made every replica a holder, and the holders' best score is the emptiest replica
+    on a stale scrape: the herd, bench/results/nn_cache_vs_p2c.)"""
+
+    def plus(n: int) -> list[ReplicaView]:
+        return [replace(v, cache_hit_tokens=v.cache_hit_tokens + n) for v in views]
+
+    # a prefix held everywhere is still a held prefix: it keeps the load bound, whatever
+    # its length (without KV events the bound applies as soon as anyone holds anything)
+    for cfg, base in ((CFG, plus(1)), (CFG_EVENTS, plus(1)), (CFG_EVENTS, views)):
+        ours, theirs = random.Random(seed), random.Random(seed)
+        pick, other = choose(plus(1 + common), r, cfg, ours), choose(base, r, cfg, theirs)
+        assert (pick and pick.replica_id) == (other and other.replica_id)
+        assert ours.getstate() == theirs.getstate()
+
+
+def test_a_prefix_every_replica_holds_does_not_herd_onto_the_emptiest() -> None:
+    """Four replicas all holding a tenant's 48-token system prompt, at different loads: new
+    requests spread as P2C's pairs spread them (the busiest never, the emptiest about half
+    the time), not all onto the emptiest."""
+    views = [view(i, 0.10 + 0.02 * i, hit=48) for i in range(4)]
+    picks = Counter(
+        choose(views, req(key), CFG, random.Random(0)).replica_id  # type: ignore[union-attr]
+        for key in range(600)
+    )
+    assert picks["r3"] == 0 and 0.35 < picks["r0"] / 600 < 0.65 and picks["r2"] > 0
+    p2c = Counter(
+        choose(views, req(), CFG_EVENTS, random.Random(seed)).replica_id  # type: ignore[union-attr]
+        for seed in range(600)
+    )
+    assert p2c == Counter(
+        choose(views, req(), P2C, random.Random(seed)).replica_id  # type: ignore[union-attr]
+        for seed in range(600)
+    )
+    # a prefix held by three of the four: they win over the one without it (4,000 tokens
+    # save 0.53 of a replica's load) and spread over two of them as P2C's pairs
+    held = [view(i, 0.10 + 0.02 * i, hit=4_000) for i in range(3)] + [view(3, 0.10)]
+    picks = Counter(
+        choose(held, req(key), CFG, random.Random(0)).replica_id  # type: ignore[union-attr]
+        for key in range(600)
+    )
+    assert set(picks) == {"r0", "r1"} and picks["r1"] > 100
+    # one replica holding more than the rest (the conversation's history) is still followed
+    views[2] = replace(views[2], cache_hit_tokens=4_000)
+    assert all(
+        choose(views, req(key), CFG, random.Random(0)).replica_id == "r2"  # type: ignore[union-attr]
+        for key in range(50)
+    )
+
+
 def test_a_hint_or_rendezvous_places_a_new_prefix_the_same_in_every_process() -> None:
     views = [view(i, 0.2 + 0.01 * i) for i in range(8)]
     for cfg, hinted in ((CFG, False), (CFG_EVENTS, True)):
@@ -240,6 +298,33 @@ def test_router_sends_a_conversations_next_turn_to_its_history_and_spreads_a_hot
         router.on_first_token(pick, f"h{n}")
         others[pick.replica_id] += 1
     assert len(others) == 1  # the spill lands on one replica, which now caches the prompt
+
+
+def test_router_spreads_requests_whose_only_shared_blocks_every_replica_holds() -> None:
+    """A tenant's short system prompt soon sits on every replica (its requests went
+    everywhere): through the real router and index, a burst of its new requests within one
+    scrape spreads over the fleet instead of all landing on the emptiest replica."""
+    reg = Registry(4)
+    router = Router(reg, random.Random(5), config=CFG, clock=lambda: 1.0)
+    reg.scrape(0.9, r0=0.10, r1=0.12, r2=0.14, r3=0.16)
+    salt = "s" * 64
+    # ~34 tokens with its header: two whole blocks every request of the tenant shares, its
+    # placement key (the third block) already the request's own
+    system = {"role": "system", "content": "you are a terse and careful helper " * 3}
+
+    def query(n: int) -> PrefixQuery:
+        return make_query("t", [system, {"role": "user", "content": f"q{n} " * 30}], salt, 16)
+
+    for i, record in enumerate(reg.records):  # one earlier request on every replica
+        router.on_dispatch(record, f"old{i}", 0, prefix=query(1000 + i))
+        router.on_finish(record, f"old{i}")
+    views = router.with_hits(router.views(VERSION), query(0))
+    assert len({v.cache_hit_tokens for v in views}) == 1 and views[0].cache_hit_tokens > 0
+    picks = Counter(
+        router.choose(VERSION, "standard", 0, prefix=query(n)).replica_id  # type: ignore[union-attr]
+        for n in range(200)
+    )
+    assert len(picks) >= 3 and picks["r0"] < 150
 
 
 def test_strategy_knobs_from_env() -> None:

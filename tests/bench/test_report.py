@@ -82,6 +82,26 @@ def test_several_flooders_verdicts_need_a_quiet_baseline_and_count_prompt_tokens
     assert again["flooders' served prompt tokens within 2x"] is None
 
 
+def test_several_flooders_report_where_the_routing_put_the_work() -> None:
+    """bench/nn_multi.py: per shared replica its finished requests and running + waiting
+    batch, and the largest batch per sampling round, which shows a herd the means hide."""
+    from bench.cluster import ReplicaTrace
+    from bench.nn_multi import evaluate
+
+    cfg = NNConfig(noisy_tenants=1, shared_replicas=2)
+    # the herd moves: each replica has the big batch half the time, the same mean
+    traces = {
+        "r0": ReplicaTrace(batch=[40.0, 0.0] * 10, finished=300),
+        "r1": ReplicaTrace(batch=[0.0, 40.0] * 10, finished=310),
+        "r2": ReplicaTrace(batch=[99.0] * 20),  # the reserved pool: not counted
+    }
+    res = ArmResult("cache", [_o("std-1", float(i), 0.5) for i in range(20)], traces, 0, 1, 10)
+    lines, _ = evaluate(res, res, cfg, tenants(cfg))
+    spread = next(line for line in lines if line.startswith("Shared replicas"))
+    assert "r0 300 req, batch 20.0 / 40; r1 310 req, batch 20.0 / 40." in spread
+    assert "per sample: median 40, p95 40." in spread
+
+
 def test_pooled_ratios_put_every_seeds_requests_together_without_the_flooders() -> None:
     from bench.nn_multi import pooled_lines
 
