@@ -34,71 +34,82 @@ async def _until(predicate: Callable[[], bool]) -> None:
     raise AssertionError("condition never held")
 
 
+class OneThread:
+    """A one-thread pool whose first count is held on the thread until ``release``, so
+    what queues behind it is served in a known order; ``order`` records the counts run."""
+
+    first: asyncio.Task[str]  # the held count, once ``hold`` ran
+
+    def __init__(self) -> None:
+        self.pool = CountingPool(threads=1)
+        self.order: list[str] = []
+        self._gate = threading.Event()
+
+    async def hold(self, tenant: str, name: str) -> None:
+        self.first = asyncio.create_task(
+            self.pool.run(tenant, LARGE, _job(self.order, name, self._gate))
+        )
+        await _until(lambda: self.pool.running == 1)
+
+    def submit(self, tenant: str, name: str) -> asyncio.Task[str]:
+        return asyncio.create_task(self.pool.run(tenant, LARGE, _job(self.order, name)))
+
+    async def queued(self, n: int) -> None:
+        await _until(lambda: self.pool.waiting == n)
+
+    def release(self) -> None:
+        self._gate.set()
+
+
 async def test_a_tenants_backlog_does_not_stand_in_front_of_another_tenant() -> None:
-    pool = CountingPool(threads=1)
-    order: list[str] = []
-    gate = threading.Event()
+    t = OneThread()
     try:
-        first = asyncio.create_task(pool.run("heavy", LARGE, _job(order, "heavy-1", gate)))
-        await _until(lambda: pool.running == 1)  # heavy-1 is on the thread, held at the gate
-        backlog = [
-            asyncio.create_task(pool.run("heavy", LARGE, _job(order, f"heavy-{i}")))
-            for i in range(2, 9)
-        ]
-        await _until(lambda: pool.waiting == 7)
-        other = asyncio.create_task(pool.run("light", LARGE, _job(order, "light-1")))
-        await _until(lambda: pool.waiting == 8)
-        gate.set()
+        await t.hold("heavy", "heavy-1")
+        backlog = [t.submit("heavy", f"heavy-{i}") for i in range(2, 9)]
+        await t.queued(7)
+        other = t.submit("light", "light-1")
+        await t.queued(8)
+        t.release()
         assert await other == "light-1"
-        await asyncio.gather(first, *backlog)
+        await asyncio.gather(t.first, *backlog)
     finally:
-        pool.close()
+        t.pool.close()
     # heavy's turn came before light arrived, so one more of its counts goes first; then
     # light, then the rest of heavy's backlog. FIFO would have put light last.
-    assert order == ["heavy-1", "heavy-2", "light-1", *[f"heavy-{i}" for i in range(3, 9)]]
+    assert t.order == ["heavy-1", "heavy-2", "light-1", *[f"heavy-{i}" for i in range(3, 9)]]
 
 
 async def test_tenants_waiting_together_take_turns() -> None:
-    pool = CountingPool(threads=1)
-    order: list[str] = []
-    gate = threading.Event()
+    t = OneThread()
     try:
-        first = asyncio.create_task(pool.run("a", LARGE, _job(order, "a-0", gate)))
-        await _until(lambda: pool.running == 1)
-        tasks = [
-            asyncio.create_task(pool.run(tenant, LARGE, _job(order, f"{tenant}-{i}")))
-            for tenant in ("a", "b", "c")
-            for i in (1, 2)
-        ]
-        await _until(lambda: pool.waiting == 6)
-        gate.set()
-        await asyncio.gather(first, *tasks)
+        await t.hold("a", "a-0")
+        tasks = [t.submit(tenant, f"{tenant}-{i}") for tenant in ("a", "b", "c") for i in (1, 2)]
+        await t.queued(6)
+        t.release()
+        await asyncio.gather(t.first, *tasks)
     finally:
-        pool.close()
-    assert order == ["a-0", "a-1", "b-1", "c-1", "a-2", "b-2", "c-2"]
+        t.pool.close()
+    assert t.order == ["a-0", "a-1", "b-1", "c-1", "a-2", "b-2", "c-2"]
 
 
 async def test_a_cancelled_wait_is_skipped_and_frees_nothing_twice() -> None:
-    pool = CountingPool(threads=1)
-    order: list[str] = []
-    gate = threading.Event()
+    t = OneThread()
     try:
-        first = asyncio.create_task(pool.run("a", LARGE, _job(order, "a-1", gate)))
-        await _until(lambda: pool.running == 1)
-        gone = asyncio.create_task(pool.run("b", LARGE, _job(order, "b-gone")))
-        kept = asyncio.create_task(pool.run("c", LARGE, _job(order, "c-1")))
-        await _until(lambda: pool.waiting == 2)
+        await t.hold("a", "a-1")
+        gone = t.submit("b", "b-gone")
+        kept = t.submit("c", "c-1")
+        await t.queued(2)
         gone.cancel()  # the client went away while its count waited
-        gate.set()
+        t.release()
         assert await kept == "c-1"
-        assert await first == "a-1"
+        assert await t.first == "a-1"
         with pytest.raises(asyncio.CancelledError):
             await gone
         # the thread is free again: a later count runs at once
-        assert await pool.run("b", LARGE, _job(order, "b-2")) == "b-2"
+        assert await t.submit("b", "b-2") == "b-2"
     finally:
-        pool.close()
-    assert order == ["a-1", "c-1", "b-2"]
+        t.pool.close()
+    assert t.order == ["a-1", "c-1", "b-2"]
 
 
 async def test_errors_reach_the_caller_and_small_bodies_are_counted_inline() -> None:
