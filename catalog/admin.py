@@ -250,12 +250,13 @@ class ModelVersionAdmin(OperatorAdminMixin, admin.ModelAdmin):
         )
 
     def save_model(self, request: HttpRequest, obj: ModelVersion, form: Any, change: bool) -> None:
-        super().save_model(request, obj, form, change)
         assert isinstance(form, ModelVersionForm)
-        if not form.prices_changed():
+        changed = form.prices_changed()
+        if changed and not may_write_prices(request):
+            raise PermissionDenied  # the fields are disabled; refuse before writing anything
+        super().save_model(request, obj, form, change)
+        if not changed:
             return
-        if not may_write_prices(request):  # the fields are disabled; never write regardless
-            raise PermissionDenied
         prompt, cached, completion = form.prices()
         who = {"actor": request.user, "actor_label": request.user.get_username()}
         if form.current_price is None:
