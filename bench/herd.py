@@ -74,6 +74,9 @@ class Arm:
     # cache-aware only: a prompt nobody holds goes by its placement key's rendezvous pair
     # (the gateway's default without KV events) or by P2C's own draw (with KV events)
     rendezvous: bool = True
+    # cache-aware only: each prompt is one user message, keyed by it as the gateway keys a
+    # chat request (``prefix.conversation_block``); else the key at ``PLACEMENT_BLOCK``
+    conversation_key: bool = False
 
     def admission(self) -> AdmissionConfig:
         return AdmissionConfig(
@@ -95,6 +98,13 @@ ARMS = (
     # conditions: the less loaded of the placement key's two rendezvous choices (gateway
     # processes blind to each other: the gateway's default without KV events) ...
     Arm("cache-aware + optimistic in-flight", "cache_aware", True),
+    # ... keyed by the conversation, as the gateway keys a chat request's one user message
+    Arm(
+        "cache-aware (conversation key) + optimistic in-flight",
+        "cache_aware",
+        True,
+        conversation_key=True,
+    ),
     # ... or, with KV events feeding the index, exactly P2C's draw
     Arm("cache-aware (KV events) + optimistic in-flight", "cache_aware", True, rendezvous=False),
     # the gateway's defaults (the long-context rules on) under cache-aware routing
@@ -187,7 +197,10 @@ def run_arm(cfg: HerdConfig, arm: Arm, work: list[tuple[float, int, int]]) -> Ar
         query = None
         if arm.strategy == "cache_aware":
             salt = f"{ids % 16:064x}" if cfg.draw == 0 else f"{cfg.draw}:{ids % 16}"
-            query = query_from_tokens(f"t{ids % 16}", tokens, salt, 16)
+            # the prompt as one user message (no template: its end one token early, where a
+            # templated message's end-of-turn token would be)
+            first = (0, len(tokens) - 1) if arm.conversation_key else None
+            query = query_from_tokens(f"t{ids % 16}", tokens, salt, 16, first_user=first)
         # as the gateway: a long context's expected output KV is reserved on its replica
         growth = cfg.max_tokens * profile.kv_bytes_per_token if long_context else 0
         replica = router.choose(

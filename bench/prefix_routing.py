@@ -94,6 +94,9 @@ class Arm:
     kv_events: bool = False
     tenant_replicas: int = 0
     tenant_cache_share: float = 0.0  # the emulator-only per-tenant share of the prefix cache
+    # the conversation key (the gateway's, ``prefix.conversation_block``), else the key at
+    # ``PLACEMENT_BLOCK`` the gateway used before it (a query without the first user message)
+    conversation_key: bool = True
 
 
 @dataclass(slots=True)
@@ -135,6 +138,7 @@ class Conversation:
     turn: int
     history: list[int]  # tokens so far (prompt of the last turn + its reply)
     rng: random.Random
+    first_user: tuple[int, int] | None = None  # its first user message's (start, end)
 
 
 def event_maps(events: list[KVEvent]) -> list[dict[str, object]]:
@@ -277,7 +281,10 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
         kv_bytes = len(tokens) * profile.kv_bytes_per_token
         query: PrefixQuery | None = None
         if arm.strategy == "cache_aware":
-            query = query_from_tokens(f"t{tenant}", tokens, salt(tenant), profile.block_size)
+            first = conv.first_user if conv is not None and arm.conversation_key else None
+            query = query_from_tokens(
+                f"t{tenant}", tokens, salt(tenant), profile.block_size, first_user=first
+            )
         if arm.strategy == "pinned":
             replica: schema.ReplicaRecord | None = records[tenant % n]
         else:
@@ -309,6 +316,13 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
             conv = payload
             conv.turn += 1
             user = new_tokens(conv.rng.randint(*cfg.user_tokens))
+            if conv.first_user is None:
+                # The first user message's span. These prompts have no chat template: its
+                # end is put one token early, where a templated message's end-of-turn token
+                # is, so that the first turn (whose last token is never cached) can hash
+                # the key's block as the templated one does.
+                start = len(conv.history)
+                conv.first_user = (start, start + len(user) - 1)
             dispatch(t_ev, conv.tenant, conv.history + user, conv)
         else:
             dispatch(t_ev, churn_tenant, new_tokens(cfg.churn_tokens), None)
@@ -323,6 +337,24 @@ ARMS = (
     Arm("cache-aware", "cache_aware"),
     Arm("cache-aware, 4 gateways", "cache_aware", gateways=4),
     Arm("cache-aware, 4 gateways + KV events", "cache_aware", gateways=4, kv_events=True),
+    Arm("perfect affinity (tenant pinned)", "pinned"),
+)
+
+# ``--key-arms``: the conversation key (the gateway's) against the key at ``PLACEMENT_BLOCK``
+# the gateway used before it, in the same run.
+KEY_ARMS = (
+    Arm("cache-aware, key at block 3 (before)", "cache_aware", conversation_key=False),
+    Arm("cache-aware, conversation key", "cache_aware"),
+    Arm("4 gateways, key at block 3 (before)", "cache_aware", gateways=4, conversation_key=False),
+    Arm("4 gateways, conversation key", "cache_aware", gateways=4),
+    Arm(
+        "4 gateways + KV events, key at block 3 (before)",
+        "cache_aware",
+        gateways=4,
+        kv_events=True,
+        conversation_key=False,
+    ),
+    Arm("4 gateways + KV events, conversation key", "cache_aware", gateways=4, kv_events=True),
     Arm("perfect affinity (tenant pinned)", "pinned"),
 )
 
@@ -409,6 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=None, help="seconds simulated per arm")
     ap.add_argument("--no-churn", action="store_true")
     ap.add_argument("--hash-cost", action="store_true", help="only the hashing cost")
+    ap.add_argument(
+        "--key-arms",
+        action="store_true",
+        help="the conversation key against the key at block 3, 1 and 4 gateways (no churn, "
+        "no hashing cost)",
+    )
+    ap.add_argument("--system-tokens", type=int, default=None, help="each tenant's system prompt")
     ap.add_argument("--out", default=str(RESULTS / "prefix_routing.md"))
     args = ap.parse_args(argv)
     command = "python -m bench.prefix_routing " + " ".join(
@@ -423,8 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = SimConfig(replicas=size)
         if args.duration:
             cfg = replace(cfg, duration_s=args.duration)
+        if args.system_tokens is not None:
+            cfg = replace(cfg, system_tokens=args.system_tokens)
         results = []
-        for arm in ARMS:
+        for arm in KEY_ARMS if args.key_arms else ARMS:
             if size < 4 and arm.gateways > 1:
                 arm = replace(arm, gateways=2, label=arm.label.replace("4 gateways", "2 gateways"))
             r = run_arm(cfg, arm)
@@ -456,6 +497,10 @@ def main(argv: list[str] | None = None) -> int:
         *table(runs),
         "",
     ]
+    if args.key_arms:
+        Path(args.out).write_text("\n".join(lines))
+        print("\n".join(lines))
+        return 0
     if not args.no_churn:
         size = 8
         base = SimConfig(replicas=size)

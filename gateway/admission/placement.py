@@ -270,6 +270,13 @@ def _choose_cache_aware(
     assert prefix is not None
     within = {v.replica_id: (s, v) for s, v in cands}
     tenant_homes = 0 < cfg.affinity_tenant_replicas < len(cands)
+    if (
+        cfg.affinity_rendezvous
+        and not tenant_homes
+        and prefix.key_tokens > 0
+        and not any(v.cache_hit_tokens >= prefix.key_tokens for _, v in cands)
+    ):
+        return _place_conversation(cands, req, cfg)
     if tenant_homes or any(v.cache_hit_tokens > 0 for _, v in cands):
         # The bound guards affinity (and a tenant's home replicas): a holder's queued prefill
         # counts as its load, so a hot prefix spills before its queue grows; a prefix every
@@ -299,6 +306,28 @@ def _choose_cache_aware(
         }
         ranked = [v for v in ranked if v.replica_id in home] or ranked
     return max(ranked[:2], key=lambda v: within[v.replica_id][0])
+
+
+def _place_conversation(
+    cands: Sequence[tuple[float, ReplicaView]], req: PlacementRequest, cfg: AdmissionConfig
+) -> ReplicaView:
+    """A conversation this process has not placed (no candidate holds its key's block), with
+    new prefixes placed by rendezvous: within the load bound, the first two replicas in the
+    rendezvous order of its shared prefix's key (a tenant's system prompt: its home pair),
+    and of those the first in its conversation key's order. No load comparison: every
+    gateway process, whichever turn it sees, picks the same replica while the bound admits
+    it (the better of two by load is a coin toss between processes, and a later turn sent
+    to the other one of the pair finds only the system prompt); the conversations of a
+    tenant split over its pair by their keys."""
+    prefix = req.prefix
+    assert prefix is not None
+    loads = {
+        v.replica_id: v.load(cfg.optimistic_inflight) + queue_term(v, req, cfg) for _, v in cands
+    }
+    bound = load_bound(list(loads.values()), cfg)
+    within = [v for _, v in cands if loads[v.replica_id] <= bound]
+    pair = rendezvous_order(prefix.shared_key, within)[:2]
+    return rendezvous_order(prefix.placement_key, pair)[0]
 
 
 # -- which replicas take long contexts -----------------------------------------------------

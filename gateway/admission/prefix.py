@@ -84,6 +84,9 @@ class PrefixQuery:
         "_hasher",
         "_extra",
         "_hashes",
+        "_resume",
+        "key_tokens",
+        "shared_key",
     )
 
     def __init__(
@@ -97,29 +100,47 @@ class PrefixQuery:
         hint: str | None = None,
         messages: Sequence[Mapping[str, str]] = (),
         cap: int = 0,
+        first_user: tuple[int, int | None] | None = None,
+        resume: tuple[int, int] = (0, 0),
     ) -> None:
         """``tokens``: the prompt's token ids; with ``messages``, only the first ones of
-        those messages' prompt, whose first ``cap`` tokens are the whole query."""
+        those messages' prompt, whose first ``cap`` tokens are the whole query (``resume``:
+        the first ``resume[1]`` of ``tokens`` are those of ``messages[:resume[0]]`` whole,
+        and tokenizing the rest starts there). ``first_user``: where the first user
+        message's content starts in the prompt and where that message ends (None: past the
+        tokens known), for the conversation key (``conversation_block``)."""
         self.tenant_id = tenant_id
         self.block_size = block_size
         self._messages = messages
         self._cap = cap
+        self._resume = resume
         self._tokens = tokens
         self._tokenized = not messages
         self._hasher = hasher
         self._extra = hasher.first_extra(cache_salt)
         self._hashes: list[int] = []
         self.hinted = hint is not None
+        # The prompt tokens through the conversation key's block (0: not a conversation key).
+        self.key_tokens = 0
+        self.shared_key = 0
         # Placement key for a prefix no replica holds: the client's ``prompt_cache_key`` (or
-        # ``user``) hashed with the tenant's salt, else the chain hash at ``PLACEMENT_BLOCK``.
+        # ``user``) hashed with the tenant's salt, else the conversation key (the chain hash
+        # of ``conversation_block``), else the chain hash at ``PLACEMENT_BLOCK``.
+        block = None
+        if hint is None and first_user is not None:
+            block = conversation_block(first_user[0], first_user[1], block_size)
         if hint is not None:
             self.placement_key = hint_key(hint, cache_salt)
+        elif block is not None and (key := self.hash_at(block)) is not None:
+            self.placement_key = key & MASK64
+            self.key_tokens = (block + 1) * block_size
+            self.shared_key = self._hashes[min(block, PLACEMENT_BLOCK - 1)] & MASK64
         elif self.hash_at(0) is not None:
             if self.hash_at(PLACEMENT_BLOCK - 1) is None:  # a whole prompt of fewer blocks
                 self.settle()
             self.placement_key = self._hashes[min(len(self._hashes), PLACEMENT_BLOCK) - 1] & MASK64
         else:  # under one block: nothing to share, spread like any unique prompt
-            self.placement_key = hash((salt_key(cache_salt), tuple(tokens))) & MASK64
+            self.placement_key = hash((salt_key(cache_salt), tuple(self._tokens))) & MASK64
 
     def _usable(self) -> int:
         """Cacheable blocks among the tokens known: vLLM recomputes at least the prompt's
@@ -132,7 +153,9 @@ class PrefixQuery:
 
     def _tokenize(self) -> None:
         if not self._tokenized:
-            self._tokens = prompt_token_ids(self._messages, self._cap)
+            done, whole = self._resume
+            head = list(self._tokens[:whole])
+            self._tokens = head + prompt_token_ids(self._messages[done:], self._cap - whole)
             self._tokenized = True
 
     def hash_at(self, index: int) -> int | None:
@@ -253,6 +276,73 @@ def hint_key(hint: str, cache_salt: str) -> int:
     return int.from_bytes(digest, "little")
 
 
+def conversation_block(user_start: int, user_end: int | None, block_size: int) -> int | None:
+    """The block whose chain hash keys a conversation's placement: the last full block of its
+    first user message, at most ``PLACEMENT_BLOCK`` blocks past the one where that message's
+    content starts (``user_start``: its first content token's position in the prompt;
+    ``user_end``: the position just past the message, its end-of-turn token included, None
+    when it goes on past the tokens known). Every turn of a conversation resends that
+    message after the same system prompt, so every turn, in every gateway process, has the
+    same key; two conversations have different keys as soon as their first user messages
+    differ within the key's block, however long the system prompt they share. A first user
+    message too short to end a block past its start gives the last block it ends, the
+    system prompt's (a key shared with the tenant's other such conversations); none at all
+    (under one block): None."""
+    last = user_start // block_size + PLACEMENT_BLOCK
+    if user_end is not None:
+        last = min(last, user_end // block_size)
+    return last - 1 if last > 0 else None
+
+
+def _conversation_head(
+    messages: Sequence[Mapping[str, str]], cap: int, block_size: int
+) -> tuple[list[int], tuple[int, int | None] | None, tuple[int, int], bool]:
+    """The prompt's tokens (``prompt_token_ids``, capped at ``cap``) as far as the
+    conversation key needs them: the messages before the first user message whole, and that
+    message's content up to its key block (``conversation_block``). Returns (tokens,
+    (user_start, user_end) or None when the capped prompt ends before that message, (how
+    many messages are tokenized whole, their tokens), whether the tokens are the whole
+    capped prompt)."""
+    out: list[int] = []
+    for i, m in enumerate(messages):
+        frame = _TOKENIZER.apply_chat_template(
+            [{"role": m["role"], "content": None}], add_generation_prompt=False
+        )
+        whole = len(out)
+        out += frame[:-1]
+        start = len(out)
+        user = m["role"] == "user"
+        if start >= cap:
+            return out[:cap], (start, None) if user else None, (0, 0), True
+        # every word is at least one token: a message's first ``limit`` words reach as far
+        # as it needs (the cap; for the first user message, its key block)
+        limit = cap - start
+        if user:
+            limit = min(limit, (start // block_size + PLACEMENT_BLOCK) * block_size - start)
+        content = m.get("content") or ""
+        cut = False
+        if len(content) > limit:
+            words = content.split(None, limit)
+            cut = len(words) > limit
+            content = " ".join(words[:limit])
+        _TOKENIZER.encode_text(content, out)
+        if len(out) >= cap:  # the capped prompt ends in this message
+            return out[:cap], (start, None) if user else None, (0, 0), True
+        if not user:
+            out.append(frame[-1])
+            continue
+        if cut:  # the rest of the message is tokenized with the rest of the prompt
+            return out, (start, None), (i, whole), False
+        out.append(frame[-1])
+        end = len(out)
+        if i + 1 == len(messages) or end >= cap:  # the whole prompt (the generation
+            # prompt closes it), or as much of it as is examined
+            out += _TOKENIZER.apply_chat_template([], add_generation_prompt=True)
+            return out[:cap], (start, end), (0, 0), True
+        return out, (start, end), (i + 1, end), False
+    raise ValueError("no user message")
+
+
 def make_query(
     tenant_id: str,
     messages: Sequence[Mapping[str, str]],
@@ -264,11 +354,26 @@ def make_query(
 ) -> PrefixQuery:
     """A request's query. At most ``max_blocks`` leading blocks are ever hashed: it bounds
     the cost for very long prompts (tokenizing and hashing ~60 ns a token here), and a match
-    that long already decides the choice. Only the first ``PLACEMENT_BLOCK`` blocks are
-    tokenized and hashed here (a prompt that cannot fill one block: all of it, and no hash);
-    the rest when the index follows the chain, or when the dispatch is recorded
-    (``PrefixQuery``)."""
+    that long already decides the choice. Only what the placement key needs is tokenized and
+    hashed here: with a user message and no hint, the messages up to the conversation key's
+    block (``conversation_block``: a system prompt, whole, and the first ``PLACEMENT_BLOCK``
+    blocks of the first user message), else the first ``PLACEMENT_BLOCK`` blocks (a prompt
+    that cannot fill one block: all of it, and no hash); the rest when the index follows the
+    chain, or when the dispatch is recorded (``PrefixQuery``), from where this stopped."""
     cap = max_blocks * block_size + 1
+    if hint is None and any(m.get("role") == "user" for m in messages):
+        tokens, first_user, resume, whole = _conversation_head(messages, cap, block_size)
+        return PrefixQuery(
+            tenant_id,
+            block_size,
+            tokens,
+            cache_salt=cache_salt,
+            hasher=hasher,
+            messages=() if whole else messages,
+            cap=cap,
+            first_user=first_user,
+            resume=resume,
+        )
     head = min(cap, PLACEMENT_BLOCK * block_size + 1)
     tokens = prompt_token_ids(messages, head)
     more = len(tokens) == head < cap  # cut at ``head``: the prompt may go on
@@ -291,10 +396,19 @@ def query_from_tokens(
     block_size: int,
     hint: str | None = None,
     hasher: BlockHasher = EMULATOR_HASHER,
+    first_user: tuple[int, int | None] | None = None,
 ) -> PrefixQuery:
-    """The query of a prompt already tokenized (all of ``tokens``)."""
+    """The query of a prompt already tokenized (all of ``tokens``); ``first_user``: where
+    its first user message's content starts and where that message ends, when known (the
+    conversation key, ``conversation_block``)."""
     return PrefixQuery(
-        tenant_id, block_size, tokens, cache_salt=cache_salt, hasher=hasher, hint=hint
+        tenant_id,
+        block_size,
+        tokens,
+        cache_salt=cache_salt,
+        hasher=hasher,
+        hint=hint,
+        first_user=first_user,
     )
 
 

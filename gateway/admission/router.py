@@ -260,6 +260,8 @@ class Router:
                 replica_key(prefix.tenant_id),
                 version.prefill_tokens_per_s,
                 hinted=prefix.hinted,
+                key_tokens=prefix.key_tokens,
+                shared_key=prefix.shared_key,
             )
         pick = route(
             views,

@@ -120,3 +120,8 @@ class PrefixTerms:
     # the key is the client's own affinity hint (``prompt_cache_key``/``user``): a new prefix
     # follows it even before any replica holds part of the prompt
     hinted: bool = False
+    # the prompt tokens through the block ``placement_key`` hashes when it is a conversation
+    # key (``gateway.admission.prefix.conversation_block``), else 0: a replica holding that
+    # many holds this conversation, one holding fewer only what it shares with others
+    key_tokens: int = 0
+    shared_key: int = 0

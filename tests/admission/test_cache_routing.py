@@ -287,7 +287,9 @@ def test_router_sends_a_conversations_next_turn_to_its_history_and_spreads_a_hot
     for _ in range(10):
         second = router.choose(VERSION, "standard", 1000, prefix=q2)
         assert second is not None and second.replica_id == first.replica_id
-    # the holder gets busy: the shared system prompt spills to a second replica, not a third
+    # the holder gets busy: the shared system prompt's new conversations spill to the next
+    # pair of its rendezvous order (each conversation to the one its own key picks), not
+    # further
     reg.scrape(1.0, **{first.replica_id: 0.6})
     others: Counter[str] = Counter()
     for n in range(20):
@@ -297,7 +299,38 @@ def test_router_sends_a_conversations_next_turn_to_its_history_and_spreads_a_hot
         router.on_dispatch(pick, f"h{n}", 1000, prefix=q)
         router.on_first_token(pick, f"h{n}")
         others[pick.replica_id] += 1
-    assert len(others) == 1  # the spill lands on one replica, which now caches the prompt
+    assert len(others) == 2  # the spill lands on one pair, which now caches the prompt
+
+
+def test_gateway_processes_blind_to_each_other_send_a_conversations_turns_to_one_replica() -> None:
+    """Two gateway processes (each its own index, no KV events): a conversation's first turn
+    through one and its second through the other land on the same replica, though the second
+    process holds the tenant's long system prompt elsewhere; the tenant's conversations split
+    over its system prompt's rendezvous pair, by their own keys."""
+    reg = Registry(6)
+    reg.scrape(0.9, **{f"r{i}": 0.1 for i in range(6)})
+    a, b = (Router(reg, random.Random(seed), config=CFG, clock=lambda: 1.0) for seed in (1, 2))
+    salt = "s" * 64
+    system = {"role": "system", "content": " ".join(f"sys{i}" for i in range(400))}
+    homes: Counter[str] = Counter()
+    for n in range(30):
+        first = [system, {"role": "user", "content": f"question {n} " * 20}]
+        # the two processes take turns to see the conversation's first turn
+        one, other = (a, b) if n % 2 else (b, a)
+        q1 = make_query("t", first, salt, 16)
+        pick1 = one.choose(VERSION, "standard", 1000, prefix=q1)
+        assert pick1 is not None
+        one.on_dispatch(pick1, f"c{n}-1", 1000, prefix=q1)
+        one.on_finish(pick1, f"c{n}-1")
+        turn2 = [*first, {"role": "assistant", "content": "answer " * 30}]
+        turn2.append({"role": "user", "content": f"and then {n} " * 10})
+        q2 = make_query("t", turn2, salt, 16)
+        pick2 = other.choose(VERSION, "standard", 1000, prefix=q2)
+        assert pick2 is not None and pick2.replica_id == pick1.replica_id
+        other.on_dispatch(pick2, f"c{n}-2", 1000, prefix=q2)
+        other.on_finish(pick2, f"c{n}-2")
+        homes[pick1.replica_id] += 1
+    assert len(homes) == 2 and min(homes.values()) >= 5
 
 
 def test_router_spreads_requests_whose_only_shared_blocks_every_replica_holds() -> None:

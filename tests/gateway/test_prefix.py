@@ -22,10 +22,12 @@ from emulator.profiles import get_profile
 from emulator.testing import spawn_emulator
 from emulator.tokenizer import Tokenizer
 from gateway.admission.prefix import (
+    MASK64,
     KVEventSubscriber,
     PrefixIndex,
     PrefixQuery,
     block_hashes,
+    conversation_block,
     decode_event_batch,
     hint_key,
     make_query,
@@ -82,6 +84,92 @@ def test_salt_isolates_tenants_and_hints() -> None:
     assert make_query("ta", msgs, SALT_A, 16).placement_key == (
         make_query("ta", longer, SALT_A, 16).placement_key
     )
+
+
+def conversation(system: str, first: str, turns: int) -> list[list[dict[str, str]]]:
+    """The prompts of a conversation's turns: each resends the last one, the reply and a new
+    user message."""
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": first}]
+    out = [list(msgs)]
+    for t in range(1, turns):
+        msgs += [
+            {"role": "assistant", "content": words(40 + t, 100 + t)},
+            {"role": "user", "content": words(15 + 7 * t, 200 + t)},
+        ]
+        out.append(list(msgs))
+    return out
+
+
+KEY_SCRIPT = """
+import sys, json
+from gateway.admission.prefix import make_query
+turns = json.loads(sys.stdin.read())
+print(json.dumps([make_query("t", m, "a" * 64, 16).placement_key for m in turns]))
+"""
+
+
+def test_a_conversation_keeps_its_key_on_every_turn_and_in_every_process() -> None:
+    """The placement key of a chat request without a hint is its conversation's: the same on
+    every turn (each turn resends the first user message after the same system prompt), and
+    the same in another gateway process (another hash seed: nothing salted per process)."""
+    turns = conversation(words(700, 1), words(60, 2), 5)
+    keys = [make_query("t", m, SALT_A, 16).placement_key for m in turns]
+    assert len(set(keys)) == 1
+    assert all(make_query("t", m, SALT_A, 16).key_tokens > 0 for m in turns)
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run(
+        [sys.executable, "-c", KEY_SCRIPT],
+        input=json.dumps(turns),
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    assert json.loads(out.stdout) == keys
+
+
+def test_conversations_sharing_a_long_system_prompt_get_their_own_keys() -> None:
+    """A system prompt far longer than the key's old depth (3 blocks) gave every one of the
+    tenant's conversations the same key; the conversation key differs between them, and
+    their shared key (the old one, their system prompt's) does not."""
+    system = words(700, 1)
+    queries = [
+        make_query("t", conversation(system, words(30, 10 + c), 1)[0], SALT_A, 16)
+        for c in range(20)
+    ]
+    assert len({q.placement_key for q in queries}) == 20
+    assert len({q.shared_key for q in queries}) == 1
+    old = block_hashes(prompt_token_ids([{"role": "system", "content": system}]), 16, SALT_A)
+    assert queries[0].shared_key == old[2] & MASK64  # the chain hash at the third block
+    # only as far as the key is tokenized and hashed: the system prompt, and of a long first
+    # user message the words that can reach 3 blocks past its start (2 tokens a word here)
+    system_tokens = len(prompt_token_ids([{"role": "system", "content": system}])) - 3
+    long_first = conversation(system, words(3000, 3), 3)[-1]
+    q = make_query("t", long_first, SALT_A, 16)
+    assert not q.settled and q.known_prompt_tokens <= system_tokens + 3 + 2 * 4 * 16
+    assert q.key_tokens == len(q.known_hashes()) * 16
+
+
+def test_a_client_hint_still_keys_the_placement() -> None:
+    turns = conversation(words(700, 1), words(60, 2), 2)
+    for m in turns:
+        q = make_query("t", m, SALT_A, 16, "conv-9")
+        assert q.placement_key == hint_key("conv-9", SALT_A) and q.hinted and q.key_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "block"),
+    [
+        (3, None, 2),  # a long first message: 3 blocks from where it starts
+        (3, 200, 2),
+        (705, 800, 46),  # after a long system prompt: the message starts in block 44
+        (705, 730, 44),  # a short one: its last full block
+        (705, 718, 43),  # too short to end a block past its start: the system prompt's
+        (3, 12, None),  # under one block
+    ],
+)
+def test_conversation_block(start: int, end: int | None, block: int | None) -> None:
+    assert conversation_block(start, end, 16) == block
 
 
 def test_a_short_prompt_has_no_cacheable_block() -> None:

@@ -44,9 +44,24 @@ def eager(
     msgs: list[dict[str, str]], bs: int, max_blocks: int, hasher_index: int
 ) -> tuple[list[int], int, int]:
     """The query as computed before it was lazy: (hashes, tokens examined, placement key)."""
-    tokens = prompt_token_ids(msgs, max_blocks * bs + 1)
+    cap = max_blocks * bs + 1
+    tokens = prompt_token_ids(msgs, cap)
     hashes = block_hashes(tokens, bs, SALT, HASHERS[hasher_index])
-    if hashes:
+    users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+    key_block = -1
+    if users:  # the conversation key: the first user message's last block, at most 3 blocks
+        # past the one its content starts in (the message's end only if within the cap)
+        i = users[0]
+        start = len(prompt_token_ids(msgs[:i])) - 3 + 3  # its frame starts where the
+        # generation prompt would, and its content 3 template tokens later
+        end = len(prompt_token_ids(msgs[: i + 1])) - 3
+        last = start // bs + PLACEMENT_BLOCK
+        if end <= cap:
+            last = min(last, end // bs)
+        key_block = last - 1
+    if 0 <= key_block < len(hashes):
+        key = hashes[key_block] & MASK64
+    elif hashes:
         key = hashes[min(len(hashes), PLACEMENT_BLOCK) - 1] & MASK64
     else:
         key = hash((salt_key(SALT), tuple(tokens))) & MASK64
@@ -89,7 +104,8 @@ def test_match_query_equals_match_and_hashes_no_further_than_the_index_follows(
     hasher_index: int,
 ) -> None:
     """Replicas hold leading runs of this chain (or of a foreign one); match_query gives
-    match's answer, and hashes at most the placement blocks or twice the longest run + 1."""
+    match's answer, and hashes at most the placement key's blocks or twice the longest run
+    + 1."""
     hasher = HASHERS[hasher_index]
     full = make_query("t", msgs, SALT, bs, hasher=hasher).block_hashes
     idx = PrefixIndex()
@@ -101,7 +117,8 @@ def test_match_query_equals_match_and_hashes_no_further_than_the_index_follows(
     got = idx.match_query(q, rids)
     assert got == idx.match(full, rids)
     longest = max(got.values())
-    assert len(q.known_hashes()) <= max(PLACEMENT_BLOCK, 2 * (longest + 1))
+    key_blocks = q.key_tokens // bs  # the conversation key's blocks are hashed to place it
+    assert len(q.known_hashes()) <= max(PLACEMENT_BLOCK, key_blocks, 2 * (longest + 1))
 
 
 def long_prompt(i: int, words: int = 3000) -> list[dict[str, str]]:
