@@ -82,8 +82,10 @@ class AdmissionConfig:
     # A prompt nobody holds (no client hint, no tenant replicas): on, it goes to the less
     # loaded of its placement key's two rendezvous choices — the same two in every gateway
     # process, so processes that cannot see each other's placements (several processes
-    # without KV events) still meet on a new shared prefix; off, it is placed exactly as P2C
-    # places it (the same draw from the router's rng). The gateway turns it off when KV
+    # without KV events) still meet on a new shared prefix — and a conversation this process
+    # has not placed goes to the one of its system prompt's pair its conversation key picks
+    # (``placement._place_conversation``); off, it is placed exactly as P2C places it (the
+    # same draw from the router's rng). The gateway turns it off when KV
     # events feed its index, unless GATEWAY_ADMISSION_AFFINITY_RENDEZVOUS says otherwise.
     affinity_rendezvous: bool = True
     # docs/design.md R6: retry budget over a sliding minute.

@@ -66,6 +66,18 @@ of them. Otherwise the better of the first two replicas in the placement key's r
 order (the same two in every gateway process, so a conversation's or a system prompt's first
 requests meet; distinct keys give uniform, independent pairs, as P2C's draws are, but not the
 same ones), within the tenant's own replicas when ``affinity_tenant_replicas`` is set.
+
+One exception, for gateway processes blind to each other (``affinity_rendezvous`` on, no
+tenant replicas): a chat request keyed by its conversation (``PrefixTerms.key_tokens``; see
+``gateway.admission.prefix.conversation_block``) of which no candidate holds the key's block
+— a conversation this process has not placed, though it may hold the tenant's system prompt
+somewhere — goes, within the load bound, to the first two replicas of its shared key's
+rendezvous order (its system prompt's pair) and of those to the first in its conversation
+key's order (``_place_conversation``): no load comparison, so whichever process sees a later
+turn computes the same replica. Following this process's own system-prompt holders, or the
+better of the pair by load, sent a later turn that another process routed to a replica
+without its history (bench/results/conversation_key.md). A conversation this process has
+placed (some candidate holds the key's block) is followed as above.
 """
 
 from __future__ import annotations

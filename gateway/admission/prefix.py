@@ -55,8 +55,10 @@ from contracts.tokenizer import PromptTokenizer
 log = logging.getLogger("gateway.prefix")
 
 MASK64 = (1 << 64) - 1
-# The chain position of the key used to place a prefix nobody holds yet: deep enough to
-# tell a tenant's system prompts apart, shallow enough to be shared by their conversations.
+# The depth of the keys that place a prefix nobody holds yet, in blocks: the shared key (the
+# chain hash at this block: deep enough to tell a tenant's system prompts apart, shallow
+# enough to be shared by their conversations), and how far into a conversation's first user
+# message its conversation key reaches (``conversation_block``).
 PLACEMENT_BLOCK = 3
 
 
@@ -64,13 +66,23 @@ class PrefixQuery:
     """What the router needs of one request to weigh cache affinity, computed lazily.
 
     A chain hash means nothing past the first block no replica holds (the replica's own
-    lookup stops there too), so the hot path hashes only as far as the index can follow:
-    ``make_query`` tokenizes the first ``PLACEMENT_BLOCK`` blocks (enough for the placement
-    key, and for a prompt that cannot fill one block, all of it), ``PrefixIndex.match_query``
-    hashes further only while some replica holds the chain. The rest, every block, is
-    computed by ``settle`` only for the request dispatched (``Router.on_dispatch`` records
-    them), not for the choice. ``block_hashes`` and ``prompt_tokens`` settle the query
-    first, so they always give the whole (capped) prompt's figures."""
+    lookup stops there too), so the hot path hashes only as far as the index can follow and
+    the placement key needs: ``make_query`` tokenizes up to the key's block (a chat prompt:
+    its messages up to the first user message, and that message's first
+    ``PLACEMENT_BLOCK`` blocks; otherwise the first ``PLACEMENT_BLOCK`` blocks; a prompt
+    that cannot fill one block, all of it), ``PrefixIndex.match_query`` hashes further only
+    while some replica holds the chain. The rest, every block, is computed by ``settle``
+    only for the request dispatched (``Router.on_dispatch`` records them), not for the
+    choice, tokenizing from where ``make_query`` stopped. ``block_hashes`` and
+    ``prompt_tokens`` settle the query first, so they always give the whole (capped)
+    prompt's figures.
+
+    Keys: ``placement_key`` places a prompt nobody holds (a client hint's key; else the
+    conversation key, the chain hash of ``conversation_block``, with ``key_tokens`` the
+    tokens through that block; else the chain hash at ``PLACEMENT_BLOCK``); ``shared_key``,
+    with a conversation key, is the chain hash at ``PLACEMENT_BLOCK`` (or the conversation
+    key's block if that comes first): what the tenant's conversations with the same
+    system prompt share (``gateway.admission.placement``)."""
 
     __slots__ = (
         "tenant_id",

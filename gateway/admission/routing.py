@@ -124,4 +124,6 @@ class PrefixTerms:
     # key (``gateway.admission.prefix.conversation_block``), else 0: a replica holding that
     # many holds this conversation, one holding fewer only what it shares with others
     key_tokens: int = 0
+    # with a conversation key: the key of what its prompt shares with its tenant's other
+    # conversations (the system prompt's), whose rendezvous pair the conversation goes to
     shared_key: int = 0
