@@ -228,7 +228,10 @@ def test_batch_encoding_is_vllms_msgpack_layout() -> None:
                       "group_idx": 0}  # fmt: skip
     assert third == {"type": "AllBlocksCleared"}
     plain = msgpack.unpackb(encode_batch(1.0, [BlockStored([1], 9, [1] * 16, 16)]))
-    assert "extra_keys" not in plain[1][0] and plain[1][0]["parent_block_hash"] == 9
+    # vLLM's to_event_extra_keys: one entry per block, nil without a salt (an empty one too)
+    assert plain[1][0]["extra_keys"] == [None] and plain[1][0]["parent_block_hash"] == 9
+    empty = msgpack.unpackb(encode_batch(1.0, [BlockStored([1], None, [1] * 16, 16, "")]))
+    assert empty[1][0]["extra_keys"] == [None]
 
 
 def _free_tcp_port() -> int:
