@@ -3,10 +3,14 @@ computed by vLLM's own code, taken from a vLLM wheel, for ``test_vllm_vectors.py
 
 Nothing of vLLM is copied into the repository, and vLLM is not installed (it needs torch and
 CUDA): the functions and classes named below are taken out of the wheel's sources with
-``ast``, unchanged, and executed with the few imports they really use (hashlib, pickle,
-cbor2, msgspec) — every other name they look up is a stand-in that fails loudly if called,
-except the data object ``Request``, of which only the fields vLLM's hashing reads are given
-(token ids, cache salt; no LoRA, multi-modal or prompt embeddings). Run, from the repository
+``ast``, unchanged, and executed with the imports they really use (os, hashlib, pickle,
+cbor2, msgspec, a logger, ``envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); the multi-modal and
+tensor helpers they would call only for such inputs are stand-ins that fail loudly if called.
+Two things are the generator's own: the data object ``Request``, of which only the fields
+vLLM's hashing reads are given (token ids, cache salt; no LoRA, multi-modal or prompt
+embeddings), and the call sites that fill a ``BlockStored`` — the arguments
+``BlockPool._build_block_stored_event`` passes and the spec kind ``KVCacheManager.take_events``
+sets, for one full-attention group (``Vllm.stored_event``). Run, from the repository
 root, with the project's interpreter and vLLM's two light dependencies in a throwaway
 directory (the project's venv is not changed)::
 
