@@ -14,23 +14,27 @@ Hash schemes (``get_hasher``; the replica's ``--prefix-caching-hash-algo``, the 
 computes the same chains. ``sha256`` and ``sha256_cbor`` are vLLM v1's construction: each
 full block is SHA-256 of the serialisation (pickle at the highest protocol, or canonical
 CBOR) of ``(parent hash, tuple of the block's token ids, extra keys)``; the first block's
-parent is ``NONE_HASH`` = the same function applied to the ``PYTHONHASHSEED`` string (random
-when unset: nobody outside the replica can then reproduce its hashes), and its extra keys are
-``(cache_salt,)`` when the request has a salt, else None (None on every later block). A hash is
-kept as the big-endian integer of its 32-byte digest; ``& MASK64`` of it is what vLLM publishes
-in KV events with integer block hashes (the digest's last 8 bytes).
+parent is ``NONE_HASH`` = the same function applied to the ``PYTHONHASHSEED`` string, or to
+``"vllm-none-hash"`` when that is unset (vLLM >= 0.33 for these two schemes), and its extra
+keys are ``(("cache_salt", salt),)`` when the request has a non-empty salt, else None (None on
+every later block). A hash is kept as the big-endian integer of its 32-byte digest; ``& MASK64``
+of it is what vLLM publishes in KV events (integer block hashes, its default: the digest's
+last 8 bytes). Checked against vectors computed by vLLM 0.33.0's own functions
+(``tests/data/vllm_vectors.json``, ``tests/gateway/test_vllm_vectors.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
 from collections.abc import Callable, Hashable, Sequence
 from functools import lru_cache
 from typing import Literal, get_args
 
 NONE_HASH = 0x5EED_BA5E_0000_0001  # parent of the first block (vLLM: NONE_HASH)
+# vLLM's NONE_HASH seed for sha256 / sha256_cbor when PYTHONHASHSEED is unset
+# (kv_cache_utils.DEFAULT_NONE_HASH_SEED)
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 CACHE_SALT_TAG = 0x5A17_0000_0000_0001  # stands for vLLM's ("cache_salt", salt) extra key
 
 
@@ -152,7 +156,7 @@ class BlockHasher:
 
     Without ``serialize``, the emulator's chain hash. With it, vLLM v1's construction (see the
     module doc): ``serialize`` is pickle or canonical CBOR then SHA-256, ``seed`` the
-    replicas' ``PYTHONHASHSEED`` (None: a random ``NONE_HASH``, as vLLM)."""
+    replicas' ``PYTHONHASHSEED`` (None: unset, vLLM's ``DEFAULT_NONE_HASH_SEED``)."""
 
     def __init__(
         self,
@@ -164,12 +168,13 @@ class BlockHasher:
         self._hash = serialize
         self.none_hash = b""
         if serialize is not None:
-            self.none_hash = serialize(seed) if seed is not None else os.urandom(32)
+            self.none_hash = serialize(DEFAULT_NONE_HASH_SEED if seed is None else seed)
 
     def first_extra(self, cache_salt: str | None) -> Hashable:
         if self._hash is None:
             return salt_key(cache_salt)
-        return (cache_salt,) if cache_salt else None
+        # vLLM's generate_block_hash_extra_keys: the salt tagged with its source
+        return (("cache_salt", cache_salt),) if cache_salt else None
 
     def chain(
         self,
@@ -198,7 +203,8 @@ EMULATOR_HASHER = BlockHasher()
 
 @lru_cache(maxsize=16)
 def get_hasher(algo: str = "emulator", seed: str | None = None) -> BlockHasher:
-    """The scheme named ``algo`` (``HASH_ALGOS``); ``seed`` only matters to vLLM's."""
+    """The scheme named ``algo`` (``HASH_ALGOS``); ``seed`` (the replicas' ``PYTHONHASHSEED``,
+    None when unset) only matters to vLLM's."""
     if algo == "emulator":
         return EMULATOR_HASHER
     if algo == "sha256":

@@ -177,6 +177,8 @@ async def serve(args: argparse.Namespace) -> None:
         kv_events=args.kv_events_config,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        # read as vLLM reads it (vllm/envs.py): an int, default 1
+        int_block_hashes=bool(int(os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1"))),
     )
     await service.start()
     print(f"EMULATOR_READY {service.base_url}", flush=True)

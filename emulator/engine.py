@@ -138,7 +138,8 @@ class EngineConfig:
     tenant_cache_share: float = 0.0
     # vLLM ``--prefix-caching-hash-algo`` (``contracts.blockhash.get_hasher``): the emulator's own
     # chain hash by default, or vLLM's ``sha256``/``sha256_cbor``, whose first parent derives
-    # from ``prefix_hash_seed`` (vLLM reads it from PYTHONHASHSEED; None: random, as vLLM).
+    # from ``prefix_hash_seed`` (vLLM reads it from PYTHONHASHSEED; None: unset, vLLM 0.33's
+    # fixed default seed).
     prefix_caching_hash_algo: str = "emulator"
     prefix_hash_seed: str | None = None
 

@@ -14,20 +14,21 @@ What a subscriber (a KV-aware router) sees is what vLLM 0.33 sends:
   - ``BlockStored``: ``block_hashes`` (unsigned 64-bit ints), ``parent_block_hash`` (nil for
     a chain's first block), ``token_ids``, ``block_size``, ``lora_id``, ``medium`` ("GPU"),
     ``lora_name``, then ``extra_keys`` (one entry per block: the bare cache salt on a
-    salted first block, nil elsewhere; left out when no block has one), ``group_idx`` 0
-    and ``kv_cache_spec_kind`` ``"full_attention"``;
+    salted first block, nil elsewhere), ``group_idx`` 0 and ``kv_cache_spec_kind``
+    ``"full_attention"``;
   - ``BlockRemoved``: ``block_hashes``, ``medium``, ``group_idx``;
   - ``AllBlocksCleared``: no fields.
 
 * with ``replay_endpoint`` a ROUTER socket answers ``[identity, b"", start_seq]`` with every
   buffered ``(seq, payload)`` from ``start_seq`` on, then ``(-1 as 8 signed bytes, b"")``.
 
-Block hashes are the engine's hash scheme's (``contracts.blockhash.get_hasher``). With the
-emulator's own chain hash they go out as unsigned 64-bit ints; with vLLM's
-``sha256``/``sha256_cbor`` they go out as vLLM sends them by default, the 32-byte digests
-(vLLM sends the digest's last 8 bytes as an int instead with
-``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``; a subscriber that keys on
-``int.from_bytes(digest, "big") & MASK64`` reads both alike).
+Block hashes are the engine's hash scheme's (``contracts.blockhash.get_hasher``), as unsigned
+64-bit ints: with vLLM's ``sha256``/``sha256_cbor`` the digest's last 8 bytes, as vLLM sends
+them by default; ``hash_bytes`` sends the 32-byte digests instead, as vLLM does with
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (a subscriber that keys on
+``int.from_bytes(digest, "big") & MASK64`` reads both alike). vLLM 0.33.0's own msgspec types
+decode these batches to the same events as its own encoder's
+(``tests/gateway/test_vllm_vectors.py``); the bytes differ only in map header widths.
 """
 
 from __future__ import annotations
@@ -114,10 +115,12 @@ def _event_dict(event: KVEvent, hash_bytes: bool = False) -> dict[str, Any]:
             "medium": MEDIUM_GPU,
             "lora_name": None,
         }
-        if event.cache_salt is not None:
-            extra: list[Any] = [None] * len(event.block_hashes)
+        # one entry per block, as vLLM's to_event_extra_keys: the bare salt on a salted first
+        # block (vLLM: ``if cache_salt``, so an empty salt is none), nil elsewhere
+        extra: list[Any] = [None] * len(event.block_hashes)
+        if event.cache_salt and extra:
             extra[0] = [event.cache_salt]
-            out["extra_keys"] = extra
+        out["extra_keys"] = extra
         out["group_idx"] = 0
         out["kv_cache_spec_kind"] = "full_attention"
         return out

@@ -40,9 +40,15 @@ class EmulatorService:
         kv_events: KVEventsConfig | None = None,
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
+        int_block_hashes: bool = True,
     ) -> None:
-        # vLLM's schemes publish digests, as vLLM does by default
-        hash_bytes = (config or EngineConfig()).prefix_caching_hash_algo != "emulator"
+        # vLLM's schemes publish the digest's low 64 bits as an int by default
+        # (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1), the 32-byte digest with it set to 0; the
+        # emulator's own hash is an int either way
+        hash_bytes = (
+            not int_block_hashes
+            and (config or EngineConfig()).prefix_caching_hash_algo != "emulator"
+        )
         self.kv_events = make_publisher(kv_events, hash_bytes)
         if self.kv_events is not None:  # record events only when something takes them
             config = replace(config or EngineConfig(), enable_kv_cache_events=True)

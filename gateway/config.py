@@ -186,8 +186,8 @@ class GatewayConfig:
     prefix_index_ttl_s: float = 600.0
     prefix_kv_events: Mapping[str, str] = field(default_factory=dict)
     # The replicas' block hash scheme (``contracts.blockhash.get_hasher``: emulator, sha256,
-    # sha256_cbor) and, for vLLM's, their PYTHONHASHSEED (required: without it a replica's
-    # first block hash is random and KV events cannot be matched).
+    # sha256_cbor) and, for vLLM's, their PYTHONHASHSEED (None: unset there, and vLLM >= 0.33
+    # then derives the first block's parent from a fixed seed, which get_hasher uses too).
     prefix_hash: str = "emulator"
     prefix_hash_seed: str | None = None
     # GATEWAY_TOKENIZER_FILES: a model version's (or family's) own tokenizer.json, loaded
@@ -222,11 +222,6 @@ class GatewayConfig:
         prefix_seed = env.get("GATEWAY_PREFIX_HASH_SEED") or None
         if prefix_hash not in HASH_ALGOS:
             raise ConfigError(f"GATEWAY_PREFIX_HASH must be one of {', '.join(HASH_ALGOS)}")
-        if prefix_hash != "emulator" and prefix_seed is None:
-            raise ConfigError(
-                f"GATEWAY_PREFIX_HASH={prefix_hash} needs GATEWAY_PREFIX_HASH_SEED, the "
-                "replicas' PYTHONHASHSEED (without one their first block hash is random)"
-            )
         return cls(
             redis_url=env.get("REDIS_URL") or DEFAULT_REDIS_URL,
             readmodel_redis_url=env.get("READMODEL_REDIS_URL") or None,

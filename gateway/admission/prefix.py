@@ -272,8 +272,8 @@ def block_hashes(
 
 def event_hash(h: int | bytes) -> int:
     """A block hash from a KV event as the index keys it: an int's low 64 bits, or a
-    digest's big-endian value's (vLLM sends digests by default, their last 8 bytes as an
-    int with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``: both give the same key)."""
+    digest's big-endian value's (vLLM sends the digest's last 8 bytes as an int by default,
+    the digest with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``: both give the same key)."""
     if isinstance(h, bytes | bytearray):
         return int.from_bytes(h, "big") & MASK64
     return h & MASK64

@@ -21,7 +21,9 @@ from emulator.__main__ import build_parser
 from emulator.engine import EngineConfig
 from emulator.kv import AllBlocksCleared, BlockRemoved, BlockStored
 from emulator.kv_events import MASK64, KVEventsConfig, encode_batch
+from emulator.profiles import get_profile
 from emulator.replica_flags import platform_engine_config
+from emulator.service import EmulatorService
 from emulator.testing import running_emulator
 from emulator.tokenizer import Tokenizer
 
@@ -228,7 +230,34 @@ def test_batch_encoding_is_vllms_msgpack_layout() -> None:
                       "group_idx": 0}  # fmt: skip
     assert third == {"type": "AllBlocksCleared"}
     plain = msgpack.unpackb(encode_batch(1.0, [BlockStored([1], 9, [1] * 16, 16)]))
-    assert "extra_keys" not in plain[1][0] and plain[1][0]["parent_block_hash"] == 9
+    # vLLM's to_event_extra_keys: one entry per block, nil without a salt (an empty one too)
+    assert plain[1][0]["extra_keys"] == [None] and plain[1][0]["parent_block_hash"] == 9
+    empty = msgpack.unpackb(encode_batch(1.0, [BlockStored([1], None, [1] * 16, 16, "")]))
+    assert empty[1][0]["extra_keys"] == [None]
+
+
+@pytest.mark.parametrize(
+    ("algo", "int_block_hashes", "digests"),
+    [("sha256", True, False), ("sha256", False, True), ("emulator", False, False)],
+)
+def test_vllm_schemes_publish_int_hashes_unless_told_otherwise(
+    algo: str, int_block_hashes: bool, digests: bool
+) -> None:
+    """vLLM 0.33's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (default 1): the digest's low 64 bits
+    as an int; with 0, the 32-byte digest. The emulator's own hash is an int either way."""
+    service = EmulatorService(
+        get_profile("llama-8b-tp1-h100"),
+        MODEL,
+        config=EngineConfig(prefix_caching_hash_algo=algo),
+        kv_events=KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*"),
+        int_block_hashes=int_block_hashes,
+    )
+    publisher = service.kv_events
+    assert publisher is not None
+    try:
+        assert publisher.hash_bytes is digests
+    finally:
+        publisher.shutdown()
 
 
 def _free_tcp_port() -> int:

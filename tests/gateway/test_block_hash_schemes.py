@@ -4,7 +4,7 @@ computed here, independently, from the construction (SHA-256 over pickle or cano
 ``(parent, tuple of token ids, extra keys)``, the first parent ``NONE_HASH`` = the function of
 the ``PYTHONHASHSEED`` string, the salt the first block's only extra key), the salt isolating
 tenants, the chaining, and the digests in KV events keying the index as vLLM's int form
-does."""
+does. Vectors computed by vLLM's own code: ``test_vllm_vectors.py``."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def as_int(digest: bytes) -> int:
 def test_sha256_is_vllms_pickle_construction() -> None:
     tokens = list(range(1000, 1000 + 40))  # two full blocks of 16, and 8 tokens over
     none = pickled(SEED)
-    b0 = pickled((none, tuple(tokens[:16]), (SALT,)))
+    b0 = pickled((none, tuple(tokens[:16]), (("cache_salt", SALT),)))
     b1 = pickled((b0, tuple(tokens[16:32]), None))
     hasher = get_hasher("sha256", SEED)
     assert block_hashes(tokens, 16, SALT, hasher) == [as_int(b0), as_int(b1)]
@@ -73,14 +73,14 @@ def test_sha256_cbor_is_vllms_canonical_cbor_construction() -> None:
         (True, "f5"),
     ]:
         assert cbor_canonical(value).hex() == hex_, value
-    # a block written out byte by byte: [parent bstr(32), [tokens], ["salt"]]
+    # a block written out byte by byte: [parent bstr(32), [tokens], [["cache_salt", salt]]]
     none = hashlib.sha256(bytes([0x60 + len(SEED)]) + SEED.encode()).digest()
     tokens = [0, 23, 24, 255, 256, 65535, 65536, 100_000] * 2
     eight = ["00", "17", "1818", "18ff", "190100", "19ffff", "1a00010000", "1a000186a0"]
     enc_tokens = bytes.fromhex("90" + "".join(eight))
     enc_tokens = enc_tokens + enc_tokens[1:]  # the same eight again, one array of 16
     salt = bytes([0x78, len(SALT)]) + SALT.encode()  # text of 64 bytes: 0x78, length
-    first = b"\x83" + b"\x58\x20" + none + enc_tokens + b"\x81" + salt
+    first = b"\x83" + b"\x58\x20" + none + enc_tokens + b"\x81\x82\x6acache_salt" + salt
     b0 = hashlib.sha256(first).digest()
     hasher = get_hasher("sha256_cbor", SEED)
     assert block_hashes(tokens + [1], 16, SALT, hasher) == [as_int(b0)]
@@ -114,9 +114,11 @@ def test_the_seed_decides_the_first_parent() -> None:
     h1 = block_hashes(tokens, 16, SALT, get_hasher("sha256", "1"))
     h2 = block_hashes(tokens, 16, SALT, get_hasher("sha256", "2"))
     assert not set(h1) & set(h2)
-    # vLLM without PYTHONHASHSEED: a random NONE_HASH, so two replicas never agree
+    # vLLM (>= 0.33) without PYTHONHASHSEED: NONE_HASH from a fixed seed for these schemes,
+    # so replicas agree with each other and with the gateway
     r1, r2 = BlockHasher("sha256", pickled, None), BlockHasher("sha256", pickled, None)
-    assert block_hashes(tokens, 16, SALT, r1) != block_hashes(tokens, 16, SALT, r2)
+    assert r1.none_hash == pickled("vllm-none-hash") == get_hasher("sha256").none_hash
+    assert block_hashes(tokens, 16, SALT, r1) == block_hashes(tokens, 16, SALT, r2)
 
 
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
@@ -160,8 +162,9 @@ def test_gateway_config_selects_the_scheme() -> None:
         {"GATEWAY_PREFIX_HASH": "sha256_cbor", "GATEWAY_PREFIX_HASH_SEED": SEED}
     )
     assert (cfg.prefix_hash, cfg.prefix_hash_seed) == ("sha256_cbor", SEED)
-    with pytest.raises(ConfigError, match="GATEWAY_PREFIX_HASH_SEED"):
-        GatewayConfig.from_env({"GATEWAY_PREFIX_HASH": "sha256"})
+    # no seed: the replicas run without PYTHONHASHSEED, vLLM's fixed default seed
+    unseeded = GatewayConfig.from_env({"GATEWAY_PREFIX_HASH": "sha256"})
+    assert (unseeded.prefix_hash, unseeded.prefix_hash_seed) == ("sha256", None)
     with pytest.raises(ConfigError, match="GATEWAY_PREFIX_HASH"):
         GatewayConfig.from_env({"GATEWAY_PREFIX_HASH": "md5", "GATEWAY_PREFIX_HASH_SEED": "1"})
     with pytest.raises(ValueError):
