@@ -373,22 +373,14 @@ def make_query(
     that cannot fill one block: all of it, and no hash); the rest when the index follows the
     chain, or when the dispatch is recorded (``PrefixQuery``), from where this stopped."""
     cap = max_blocks * block_size + 1
+    first_user: tuple[int, int | None] | None = None
+    resume = (0, 0)
     if hint is None and any(m.get("role") == "user" for m in messages):
         tokens, first_user, resume, whole = _conversation_head(messages, cap, block_size)
-        return PrefixQuery(
-            tenant_id,
-            block_size,
-            tokens,
-            cache_salt=cache_salt,
-            hasher=hasher,
-            messages=() if whole else messages,
-            cap=cap,
-            first_user=first_user,
-            resume=resume,
-        )
-    head = min(cap, PLACEMENT_BLOCK * block_size + 1)
-    tokens = prompt_token_ids(messages, head)
-    more = len(tokens) == head < cap  # cut at ``head``: the prompt may go on
+    else:
+        head = min(cap, PLACEMENT_BLOCK * block_size + 1)
+        tokens = prompt_token_ids(messages, head)
+        whole = not len(tokens) == head < cap  # not cut at ``head``: the whole prompt
     return PrefixQuery(
         tenant_id,
         block_size,
@@ -396,8 +388,10 @@ def make_query(
         cache_salt=cache_salt,
         hasher=hasher,
         hint=hint,
-        messages=messages if more else (),
+        messages=() if whole else messages,
         cap=cap,
+        first_user=first_user,
+        resume=resume,
     )
 
 
