@@ -299,7 +299,8 @@ def conversation_block(user_start: int, user_end: int | None, block_size: int) -
     differ within the key's block, however long the system prompt they share. A first user
     message too short to end a block past its start gives the last block it ends, the
     system prompt's (a key shared with the tenant's other such conversations); none at all
-    (under one block): None."""
+    (under one block): None. Conversations that open with the same user message (few-shot
+    examples before the question) share a key, as all of a tenant's did before."""
     last = user_start // block_size + PLACEMENT_BLOCK
     if user_end is not None:
         last = min(last, user_end // block_size)
