@@ -24,6 +24,7 @@ from contracts.defaults import (
     MIN_SECRET_BYTES,
     is_redis_url,
 )
+from gateway.admission.chat_template import TemplateCounter
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.prefix import parse_endpoints
 from gateway.admission.tokens import ExactCounter
@@ -192,6 +193,8 @@ class GatewayConfig:
     prefix_hash_seed: str | None = None
     # GATEWAY_TOKENIZER_FILES: a model version's (or family's) own tokenizer.json, loaded
     # at start; its prompts are counted exactly (admission/tokens.py). Others: the rule.
+    # GATEWAY_CHAT_TEMPLATES adds such a model's chat template: a TemplateCounter, whose
+    # prompt token ids are the replicas' (admission/chat_template.py), counted and hashed.
     token_counters: Mapping[str, ExactCounter] = field(default_factory=dict)
     instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex}")
 
@@ -290,7 +293,9 @@ class GatewayConfig:
             prefix_kv_events=kv_events,
             prefix_hash=prefix_hash,
             prefix_hash_seed=prefix_seed,
-            token_counters=_token_counters(env.get("GATEWAY_TOKENIZER_FILES", "")),
+            token_counters=_token_counters(
+                env.get("GATEWAY_TOKENIZER_FILES", ""), env.get("GATEWAY_CHAT_TEMPLATES", "")
+            ),
         )
 
     def token_counter(self, version: str, family: str) -> ExactCounter | None:
@@ -309,10 +314,8 @@ def _endpoints(raw: str) -> dict[str, str]:
         raise ConfigError(f"GATEWAY_PREFIX_KV_EVENTS: {exc}") from exc
 
 
-def _token_counters(raw: str) -> dict[str, ExactCounter]:
-    """``{"model": "/path/tokenizer.json", ...}`` or ``model=/path,model2=/path2``; every
-    file is loaded now, so a missing or unreadable one stops the gateway at start."""
-    name = "GATEWAY_TOKENIZER_FILES"
+def _model_paths(name: str, raw: str) -> dict[str, str]:
+    """``{"model": "/path", ...}`` or ``model=/path,model2=/path2`` (setting ``name``)."""
     raw = raw.strip()
     if not raw:
         return {}
@@ -323,17 +326,35 @@ def _token_counters(raw: str) -> dict[str, ExactCounter]:
             raise ConfigError(f"{name} is not valid JSON: {exc}") from exc
         if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
             raise ConfigError(f"{name} must map model names to file paths")
-    else:
-        files = {}
-        for item in filter(None, (part.strip() for part in raw.split(","))):
-            model, sep, path = item.partition("=")
-            if not sep or not model.strip() or not path.strip():
-                raise ConfigError(f"{name}: {item!r} is not model=path")
-            files[model.strip()] = path.strip()
-    counters = {}
-    for model, path in files.items():
+        return files
+    files = {}
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        model, sep, path = item.partition("=")
+        if not sep or not model.strip() or not path.strip():
+            raise ConfigError(f"{name}: {item!r} is not model=path")
+        files[model.strip()] = path.strip()
+    return files
+
+
+def _token_counters(raw: str, templates: str = "") -> dict[str, ExactCounter]:
+    """GATEWAY_TOKENIZER_FILES (``_model_paths``), and GATEWAY_CHAT_TEMPLATES: the same
+    models' ``tokenizer_config.json`` (their chat template). Every file is loaded now, and
+    every template renders a probe conversation, so a missing or unusable one stops the
+    gateway at start."""
+    name = "GATEWAY_TOKENIZER_FILES"
+    counters: dict[str, ExactCounter] = {}
+    for model, path in _model_paths(name, raw).items():
         try:
             counters[model] = ExactCounter.from_file(Path(path))
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {model}: {exc}") from exc
+    name = "GATEWAY_CHAT_TEMPLATES"
+    for model, path in _model_paths(name, templates).items():
+        counter = counters.get(model)
+        if counter is None:
+            raise ConfigError(f"{name}: {model}: GATEWAY_TOKENIZER_FILES has no tokenizer for it")
+        try:
+            counters[model] = TemplateCounter.from_file(Path(path), counter.tokenizer)
         except ValueError as exc:
             raise ConfigError(f"{name}: {model}: {exc}") from exc
     return counters

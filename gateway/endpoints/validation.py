@@ -136,6 +136,9 @@ class ChatRequest(GenerationRequest):
     # Prompt text besides the messages: the tool definitions (as the template renders
     # them) and a json schema (guided decoding's cost, counted as if it were prompt).
     extra_texts: list[str] = field(default_factory=list)
+    # The prompt's token ids as the replicas compute them, when the model's chat template is
+    # configured (GATEWAY_CHAT_TEMPLATES): set by the prompt estimate, hashed by the router.
+    prompt_ids: list[int] | None = None
 
     def upstream_inputs(self) -> dict[str, Any]:
         return {"messages": self.messages}
