@@ -148,6 +148,10 @@ class ChatRenderer:
         self._template = _environment().from_string(template)
         self._tokenizer = tokenizer
         self._special = dict(special_tokens)
+        # The tokenizer's special tokens' ids: the template's turn delimiters among them.
+        self._special_ids = frozenset(
+            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
+        )
 
     @classmethod
     def from_file(cls, path: Path, tokenizer: Any) -> ChatRenderer:
@@ -190,6 +194,39 @@ class ChatRenderer:
         )
         ids: list[int] = encoding.ids
         return ids
+
+    def prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+    ) -> tuple[list[int], tuple[int, int | None] | None]:
+        """The prompt's token ids and where its first user message is in them: (its first
+        content token, just past its end-of-turn token (None: not found)), for the
+        conversation key (``prefix.conversation_block``); None when it cannot be told.
+
+        The content is found in the rendered text (its first occurrence, as the template
+        trims it); the text before it is tokenized once more (the system prompt and the
+        tools: templates put the content after a header that ends with a special token or a
+        newline, so those tokens are a prefix of the prompt's, which is checked); the message
+        ends at the first special token after its content starts (the end of turn)."""
+        text = self.render(messages, tools)
+        (encoding,) = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)
+        ids: list[int] = encoding.ids
+        return ids, self._first_user(messages, text, ids)
+
+    def _first_user(
+        self, messages: Sequence[Mapping[str, Any]], text: str, ids: list[int]
+    ) -> tuple[int, int | None] | None:
+        content = next((m.get("content") for m in messages if m.get("role") == "user"), None)
+        content = content.strip() if isinstance(content, str) else ""
+        at = text.find(content) if content else -1
+        if at < 0:
+            return None
+        (head,) = self._tokenizer.encode_batch_fast([text[:at]], add_special_tokens=False)
+        start = len(head.ids)
+        if ids[:start] != head.ids:  # the content's first piece merged with the header's
+            return None
+        special = self._special_ids
+        end = next((i + 1 for i in range(start, len(ids)) if ids[i] in special), None)
+        return start, end
 
 
 def _message(message: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -246,7 +283,8 @@ class TemplateCounter(ExactCounter):
         (the model's, already loaded); ``ValueError`` says why it cannot be used."""
         return cls(tokenizer, ChatRenderer.from_file(path, tokenizer))
 
-    def prompt_ids(
+    def prompt(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
-    ) -> list[int]:
-        return self.renderer.token_ids(messages, tools)
+    ) -> tuple[list[int], tuple[int, int | None] | None]:
+        """The prompt's ids and its first user message's place (``ChatRenderer.prompt``)."""
+        return self.renderer.prompt(messages, tools)

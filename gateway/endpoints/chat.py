@@ -47,7 +47,7 @@ class ChatCompletions(PipelineEndpoint):
         schema's tokens (tool definitions are in the template's rendering)."""
         tools = req.sampling.get("tools")
         try:
-            req.prompt_ids = counter.prompt_ids(req.messages, tools)
+            req.prompt_ids, req.first_user = counter.prompt(req.messages, tools)
         except TemplateRenderError as exc:  # the replica's template would refuse it too
             raise BadRequest(
                 f"The model's chat template cannot render these messages: {exc}",
@@ -74,6 +74,7 @@ class ChatCompletions(PipelineEndpoint):
                 self.config.prefix_block_size,
                 req.cache_hint,
                 hasher,
+                req.first_user,
             )
         return make_query(
             tenant_id,

@@ -137,8 +137,10 @@ class ChatRequest(GenerationRequest):
     # them) and a json schema (guided decoding's cost, counted as if it were prompt).
     extra_texts: list[str] = field(default_factory=list)
     # The prompt's token ids as the replicas compute them, when the model's chat template is
-    # configured (GATEWAY_CHAT_TEMPLATES): set by the prompt estimate, hashed by the router.
+    # configured (GATEWAY_CHAT_TEMPLATES): set by the prompt estimate, hashed by the router,
+    # with where the first user message starts and ends in them (the conversation key).
     prompt_ids: list[int] | None = None
+    first_user: tuple[int, int | None] | None = None
 
     def upstream_inputs(self) -> dict[str, Any]:
         return {"messages": self.messages}

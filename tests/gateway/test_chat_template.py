@@ -71,6 +71,29 @@ def test_the_prompts_block_hashes_are_vllms(case: dict[str, Any]) -> None:
     assert query.prompt_tokens == len(ids)
 
 
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if isinstance(c["messages"][-1]["content"], str)], ids=_name
+)
+def test_the_first_user_message_is_located_in_the_ids(case: dict[str, Any]) -> None:
+    """(first content token, just past the end of turn): the conversation key's span. A
+    content holding a special token's text (tokenized as that token, by vLLM too) ends
+    there."""
+    ids, first_user = RENDERER.prompt(case["messages"], case.get("tools"))
+    assert ids == case["token_ids"] and first_user is not None
+    start, end = first_user
+    assert end is not None
+    content = next(m["content"] for m in case["messages"] if m["role"] == "user").strip()
+    eot = TOKENIZER.token_to_id("<|eot_id|>")
+    assert ids[end - 1] == eot and eot not in ids[start : end - 1]
+    if "<|eot_id|>" in content:
+        content = content[: content.index("<|eot_id|>")]
+    assert TOKENIZER.decode(ids[start : end - 1]) == content
+
+
+def test_a_first_user_message_that_cannot_be_located_gives_no_span() -> None:
+    assert RENDERER.prompt([{"role": "user", "content": "  "}])[1] is None
+
+
 def test_tool_call_arguments_as_openai_sends_them_render_as_their_object() -> None:
     """OpenAI's tool-call ``arguments`` is a JSON string; vLLM gives the template the object
     (the fixture's case passes the object to transformers)."""
@@ -102,8 +125,8 @@ def _config(**env: str) -> GatewayConfig:
 
 def test_a_chat_requests_count_and_prefix_query_are_the_models_ids() -> None:
     """Through the chat endpoint: the body as parsed, counted by the configured template
-    (one tokenization), its query hashed from the same ids: vLLM's hashes with the
-    tenant's salt."""
+    (one tokenization), its query hashed from the same ids (vLLM's hashes with the
+    tenant's salt) and keyed by its first user message."""
     config = _config()
     counter = config.token_counter("fam-2026", "fam")
     assert isinstance(counter, TemplateCounter)
@@ -114,12 +137,14 @@ def test_a_chat_requests_count_and_prefix_query_are_the_models_ids() -> None:
     estimate, longest = endpoint.prompt_estimate(req, counter)
     assert estimate == longest == len(case["token_ids"])
     assert req.prompt_ids == case["token_ids"]
+    assert req.first_user is not None
     query = endpoint.prefix_query(req, "tenant-1")
     assert query is not None
     hasher = get_hasher(HASHES["scheme"], None)
     salt = upstream.cache_salt("tenant-1")
     want = query_from_tokens("tenant-1", case["token_ids"], salt, 16, hasher=hasher)
     assert list(query.block_hashes) == list(want.block_hashes) and want.block_hashes
+    assert query.key_tokens > 0  # placed by the conversation key, as the emulator's prompts
 
 
 def test_a_refused_conversation_is_a_400_not_a_500() -> None:
@@ -189,7 +214,10 @@ def test_the_gateway_does_not_start_with_a_template_that_raises(tmp_path: Path) 
 def test_tool_call_arguments_that_are_no_object_render_as_an_empty_one(arguments: Any) -> None:
     """vLLM's coercion: empty, invalid JSON or JSON that is not an object gives ``{}``."""
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
-    given = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}]
+    given: list[dict[str, Any]] = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [call]},
+    ]
     empty = {**call, "function": {"name": "f", "arguments": {}}}
     want = [given[0], {"role": "assistant", "tool_calls": [empty]}]
     assert RENDERER.render(given) == RENDERER.render(want)
