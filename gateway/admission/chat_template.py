@@ -196,11 +196,16 @@ class ChatRenderer:
         return ids
 
     def prompt(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None = None,
+        within: int | None = None,
     ) -> tuple[list[int], tuple[int, int | None] | None]:
         """The prompt's token ids and where its first user message is in them: (its first
-        content token, just past its end-of-turn token (None: not found)), for the
-        conversation key (``prefix.conversation_block``); None when it cannot be told.
+        content token, just past its end-of-turn token (None: not found, or not within
+        ``within`` tokens of the start when given)), for the conversation key
+        (``prefix.conversation_block``, which needs no end past its key block); None when
+        it cannot be told.
 
         The content is found in the rendered text (its first occurrence, as the template
         trims it); the text before it is tokenized once more (the system prompt and the
@@ -210,10 +215,10 @@ class ChatRenderer:
         text = self.render(messages, tools)
         (encoding,) = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)
         ids: list[int] = encoding.ids
-        return ids, self._first_user(messages, text, ids)
+        return ids, self._first_user(messages, text, ids, within)
 
     def _first_user(
-        self, messages: Sequence[Mapping[str, Any]], text: str, ids: list[int]
+        self, messages: Sequence[Mapping[str, Any]], text: str, ids: list[int], within: int | None
     ) -> tuple[int, int | None] | None:
         content = next((m.get("content") for m in messages if m.get("role") == "user"), None)
         content = content.strip() if isinstance(content, str) else ""
@@ -225,7 +230,8 @@ class ChatRenderer:
         if ids[:start] != head.ids:  # the content's first piece merged with the header's
             return None
         special = self._special_ids
-        end = next((i + 1 for i in range(start, len(ids)) if ids[i] in special), None)
+        stop = len(ids) if within is None else min(len(ids), start + within)
+        end = next((i + 1 for i in range(start, stop) if ids[i] in special), None)
         return start, end
 
 
@@ -284,7 +290,10 @@ class TemplateCounter(ExactCounter):
         return cls(tokenizer, ChatRenderer.from_file(path, tokenizer))
 
     def prompt(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None = None,
+        within: int | None = None,
     ) -> tuple[list[int], tuple[int, int | None] | None]:
         """The prompt's ids and its first user message's place (``ChatRenderer.prompt``)."""
-        return self.renderer.prompt(messages, tools)
+        return self.renderer.prompt(messages, tools, within)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from contracts.blockhash import get_hasher
 from contracts.schema import Scope
 from gateway.admission.chat_template import TemplateCounter, TemplateRenderError
-from gateway.admission.prefix import PrefixQuery, make_query, query_from_tokens
+from gateway.admission.prefix import PLACEMENT_BLOCK, PrefixQuery, make_query, query_from_tokens
 from gateway.admission.tokens import Rule
 from gateway.config import GatewayConfig
 from gateway.endpoints.pipeline import PipelineEndpoint, RequestPipeline
@@ -47,7 +47,10 @@ class ChatCompletions(PipelineEndpoint):
         schema's tokens (tool definitions are in the template's rendering)."""
         tools = req.sampling.get("tools")
         try:
-            req.prompt_ids, req.first_user = counter.prompt(req.messages, tools)
+            # the conversation key needs the first user message's end only within its
+            # PLACEMENT_BLOCK blocks (``conversation_block``)
+            within = (PLACEMENT_BLOCK + 1) * self.config.prefix_block_size
+            req.prompt_ids, req.first_user = counter.prompt(req.messages, tools, within)
         except TemplateRenderError as exc:  # the replica's template would refuse it too
             raise BadRequest(
                 f"The model's chat template cannot render these messages: {exc}",

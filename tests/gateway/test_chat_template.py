@@ -94,6 +94,16 @@ def test_a_first_user_message_that_cannot_be_located_gives_no_span() -> None:
     assert RENDERER.prompt([{"role": "user", "content": "  "}])[1] is None
 
 
+def test_the_end_is_looked_for_within_the_tokens_asked() -> None:
+    messages = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]
+    ids, whole = RENDERER.prompt(messages)
+    assert whole is not None
+    start, end = whole
+    assert end is not None
+    assert RENDERER.prompt(messages, within=end - start) == (ids, whole)
+    assert RENDERER.prompt(messages, within=end - start - 1) == (ids, (start, None))
+
+
 def test_tool_call_arguments_as_openai_sends_them_render_as_their_object() -> None:
     """OpenAI's tool-call ``arguments`` is a JSON string; vLLM gives the template the object
     (the fixture's case passes the object to transformers)."""
