@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
                 query.settle()
 
         def new(messages: list[dict[str, Any]] = messages, settle: bool = False) -> None:
-            ids, first_user = template.prompt(messages, within=(PLACEMENT_BLOCK + 1) * 16)
+            ids, first_user = template.renderer.prompt(messages, within=(PLACEMENT_BLOCK + 1) * 16)
             query = query_from_tokens("t", ids, salt, 16, hasher=hasher, first_user=first_user)
             if settle:
                 query.settle()
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         def render(messages: list[dict[str, Any]] = messages) -> None:
             template.renderer.render(messages)
 
-        ids, _ = template.prompt(messages)
+        ids = template.renderer.token_ids(messages)
         rows.append(
             (
                 name,

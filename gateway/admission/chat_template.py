@@ -189,9 +189,10 @@ class ChatRenderer:
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
     ) -> list[int]:
         """The prompt's token ids (no special tokens added: the template has them)."""
-        (encoding,) = self._tokenizer.encode_batch_fast(
-            [self.render(messages, tools)], add_special_tokens=False
-        )
+        return self._encode(self.render(messages, tools))
+
+    def _encode(self, text: str) -> list[int]:
+        (encoding,) = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)
         ids: list[int] = encoding.ids
         return ids
 
@@ -213,8 +214,7 @@ class ChatRenderer:
         newline, so those tokens are a prefix of the prompt's, which is checked); the message
         ends at the first special token after its content starts (the end of turn)."""
         text = self.render(messages, tools)
-        (encoding,) = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)
-        ids: list[int] = encoding.ids
+        ids = self._encode(text)
         return ids, self._first_user(messages, text, ids, within)
 
     def _first_user(
@@ -225,9 +225,9 @@ class ChatRenderer:
         at = text.find(content) if content else -1
         if at < 0:
             return None
-        (head,) = self._tokenizer.encode_batch_fast([text[:at]], add_special_tokens=False)
-        start = len(head.ids)
-        if ids[:start] != head.ids:  # the content's first piece merged with the header's
+        head = self._encode(text[:at])
+        start = len(head)
+        if ids[:start] != head:  # the content's first piece merged with the header's
             return None
         special = self._special_ids
         stop = len(ids) if within is None else min(len(ids), start + within)
@@ -276,7 +276,7 @@ def _tool(tool: Mapping[str, Any]) -> Mapping[str, Any]:
 
 class TemplateCounter(ExactCounter):
     """A model with its tokenizer and its chat template: a chat prompt is counted exactly,
-    from the token ids its replicas compute (``prompt_ids``), which also key its
+    from the token ids its replicas compute (``renderer.prompt``), which also key its
     prefix-cache blocks. Other text (a json schema) is counted as ``ExactCounter`` does."""
 
     def __init__(self, tokenizer: Any, renderer: ChatRenderer) -> None:
@@ -288,12 +288,3 @@ class TemplateCounter(ExactCounter):
         """The chat template of ``path`` (a ``tokenizer_config.json``) over ``tokenizer``
         (the model's, already loaded); ``ValueError`` says why it cannot be used."""
         return cls(tokenizer, ChatRenderer.from_file(path, tokenizer))
-
-    def prompt(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Any] | None = None,
-        within: int | None = None,
-    ) -> tuple[list[int], tuple[int, int | None] | None]:
-        """The prompt's ids and its first user message's place (``ChatRenderer.prompt``)."""
-        return self.renderer.prompt(messages, tools, within)

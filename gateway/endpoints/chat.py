@@ -50,7 +50,7 @@ class ChatCompletions(PipelineEndpoint):
             # the conversation key needs the first user message's end only within its
             # PLACEMENT_BLOCK blocks (``conversation_block``)
             within = (PLACEMENT_BLOCK + 1) * self.config.prefix_block_size
-            req.prompt_ids, req.first_user = counter.prompt(req.messages, tools, within)
+            req.prompt_ids, req.first_user = counter.renderer.prompt(req.messages, tools, within)
         except TemplateRenderError as exc:  # the replica's template would refuse it too
             raise BadRequest(
                 f"The model's chat template cannot render these messages: {exc}",
