@@ -77,6 +77,9 @@ class Arm:
     # cache-aware only: each prompt is one user message, keyed by it as the gateway keys a
     # chat request (``prefix.conversation_block``); else the key at ``PLACEMENT_BLOCK``
     conversation_key: bool = False
+    # ``AdmissionConfig.affinity_conversation_shared``: a conversation's replica on the scrape
+    # alone (the gateway's default), else (before) within the bound on this process's loads
+    conversation_shared: bool = True
 
     def admission(self) -> AdmissionConfig:
         return AdmissionConfig(
@@ -85,6 +88,7 @@ class Arm:
             count_request_kv=self.isolation,
             context_placement=self.isolation,
             affinity_rendezvous=self.rendezvous,
+            affinity_conversation_shared=self.conversation_shared,
         )
 
 
@@ -104,6 +108,14 @@ ARMS = (
         "cache_aware",
         True,
         conversation_key=True,
+    ),
+    # ... as before ``affinity_conversation_shared``: within the bound on this process's loads
+    Arm(
+        "cache-aware (conversation key, own loads) + optimistic in-flight",
+        "cache_aware",
+        True,
+        conversation_key=True,
+        conversation_shared=False,
     ),
     # ... or, with KV events feeding the index, exactly P2C's draw
     Arm("cache-aware (KV events) + optimistic in-flight", "cache_aware", True, rendezvous=False),

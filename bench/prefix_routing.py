@@ -97,6 +97,9 @@ class Arm:
     # the conversation key (the gateway's, ``prefix.conversation_block``), else the key at
     # ``PLACEMENT_BLOCK`` the gateway used before it (a query without the first user message)
     conversation_key: bool = True
+    # ``AdmissionConfig.affinity_conversation_shared``: a conversation goes where the scrape
+    # says (the same in every gateway process), else (before) a process follows its own record
+    conversation_shared: bool = True
 
 
 @dataclass(slots=True)
@@ -179,6 +182,7 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
         # the gateway's own rule (gateway/config.py): new prefixes by rendezvous unless KV
         # events feed the index
         affinity_rendezvous=not arm.kv_events,
+        affinity_conversation_shared=arm.conversation_shared,
     )
     out = Result(arm)
     ceiling = acfg.standard_max_occupancy
@@ -358,6 +362,24 @@ KEY_ARMS = (
     Arm("perfect affinity (tenant pinned)", "pinned"),
 )
 
+# ``--shared-arms``: a conversation placed on the scrape alone (``_place_conversation``, the
+# gateway's default) against a process following its own record of it, in the same run.
+SHARED_ARMS = (
+    Arm("1 gateway, own record (before)", "cache_aware", conversation_shared=False),
+    Arm("1 gateway, shared placement", "cache_aware"),
+    Arm("4 gateways, own record (before)", "cache_aware", gateways=4, conversation_shared=False),
+    Arm("4 gateways, shared placement", "cache_aware", gateways=4),
+    Arm(
+        "4 gateways + KV events, own record (before)",
+        "cache_aware",
+        gateways=4,
+        kv_events=True,
+        conversation_shared=False,
+    ),
+    Arm("4 gateways + KV events, shared placement", "cache_aware", gateways=4, kv_events=True),
+    Arm("perfect affinity (tenant pinned)", "pinned"),
+)
+
 
 def table(runs: list[tuple[SimConfig, list[Result]]]) -> list[str]:
     lines = [
@@ -447,6 +469,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the conversation key against the key at block 3, 1 and 4 gateways (no churn, "
         "no hashing cost)",
     )
+    ap.add_argument(
+        "--shared-arms",
+        action="store_true",
+        help="a conversation placed on the scrape alone against a process's own record, 1 and "
+        "4 gateways (no churn, no hashing cost)",
+    )
+    ap.add_argument("--seed", type=int, default=None, help="the workload's and routers' seed")
     ap.add_argument("--system-tokens", type=int, default=None, help="each tenant's system prompt")
     ap.add_argument("--out", default=str(RESULTS / "prefix_routing.md"))
     args = ap.parse_args(argv)
@@ -462,10 +491,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = SimConfig(replicas=size)
         if args.duration:
             cfg = replace(cfg, duration_s=args.duration)
+        if args.seed is not None:
+            cfg = replace(cfg, seed=args.seed)
         if args.system_tokens is not None:
             cfg = replace(cfg, system_tokens=args.system_tokens)
         results = []
-        for arm in KEY_ARMS if args.key_arms else ARMS:
+        for arm in KEY_ARMS if args.key_arms else SHARED_ARMS if args.shared_arms else ARMS:
             if size < 4 and arm.gateways > 1:
                 arm = replace(arm, gateways=2, label=arm.label.replace("4 gateways", "2 gateways"))
             r = run_arm(cfg, arm)
@@ -497,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         *table(runs),
         "",
     ]
-    if args.key_arms:
+    if args.key_arms or args.shared_arms:
         Path(args.out).write_text("\n".join(lines))
         print("\n".join(lines))
         return 0

@@ -88,6 +88,14 @@ class AdmissionConfig:
     # same draw from the router's rng). The gateway turns it off when KV
     # events feed its index, unless GATEWAY_ADMISSION_AFFINITY_RENDEZVOUS says otherwise.
     affinity_rendezvous: bool = True
+    # With affinity_rendezvous, a chat request keyed by its conversation: on, it goes to its
+    # conversation's replica (``placement._place_conversation``) while that replica's scraped
+    # occupancy is at most the load bound on scraped occupancy plus this margin, whatever this
+    # process placed before, so that every gateway process (each sees the same scrape)
+    # computes the same replica; off, as before: a conversation this process placed follows
+    # its own record, and the bound counts this process's in-flight KV.
+    affinity_conversation_shared: bool = True
+    affinity_conversation_margin: float = 0.20
     # docs/design.md R6: retry budget over a sliding minute.
     retry_budget_ratio: float = 0.20
     retry_budget_min_admitted: int = 20
@@ -197,6 +205,8 @@ class AdmissionConfig:
             raise ValueError("affinity_load_factor >= 1 and affinity_load_slack >= 0")
         if self.affinity_load_cost_s <= 0 or self.affinity_prefill_tokens_per_s <= 0:
             raise ValueError("affinity_load_cost_s > 0 and affinity_prefill_tokens_per_s > 0")
+        if self.affinity_conversation_margin < 0:
+            raise ValueError("affinity_conversation_margin >= 0")
         if self.affinity_tenant_replicas < 0:
             raise ValueError("affinity_tenant_replicas >= 0")
         if self.long_prefill_slots_per_replica < 1 or self.long_context_demand_window_s <= 0:

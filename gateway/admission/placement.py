@@ -69,15 +69,20 @@ same ones), within the tenant's own replicas when ``affinity_tenant_replicas`` i
 
 One exception, for gateway processes blind to each other (``affinity_rendezvous`` on, no
 tenant replicas): a chat request keyed by its conversation (``PrefixTerms.key_tokens``; see
-``gateway.admission.prefix.conversation_block``) of which no candidate holds the key's block
-— a conversation this process has not placed, though it may hold the tenant's system prompt
-somewhere — goes, within the load bound, to the first two replicas of its shared key's
-rendezvous order (its system prompt's pair) and of those to the first in its conversation
-key's order (``_place_conversation``): no load comparison, so whichever process sees a later
-turn computes the same replica. Following this process's own system-prompt holders, or the
-better of the pair by load, sent a later turn that another process routed to a replica
-without its history (bench/results/conversation_key.md). A conversation this process has
-placed (some candidate holds the key's block) is followed as above.
+``gateway.admission.prefix.conversation_block``) goes to its conversation's replica — of the
+first two replicas of its shared key's rendezvous order (its system prompt's pair), the first
+in its conversation key's order — while that replica's scraped occupancy is at most the load
+bound on scraped occupancy plus ``affinity_conversation_margin``, else to the first replica of
+the shared key's order within that bound (``_place_conversation``). No load comparison and
+nothing of this process's own (neither where it placed earlier turns nor its in-flight KV):
+the scrape is the same in every process, so whichever process sees a turn computes the same
+replica. Following this process's own record of the conversation sent a turn back to where
+this process had placed an earlier one after the other processes had placed the turns
+between elsewhere, and a bound on each process's own in-flight loads spilled a turn in one
+process and not in another (bench/results/conversation_key.md). With
+``affinity_conversation_shared`` off (before), only a conversation no candidate holds the
+key's block of is placed so (within the bound on this process's loads); one this process
+placed is followed as above.
 """
 
 from __future__ import annotations
@@ -237,7 +242,7 @@ def choose(
             # the same replicas, bands and eligibility: only the affinity term changes
             cands = [(s, v) for _, v in cands if (s := score(v, req, cfg)) is not None]
         if follows_affinity(cands, req, cfg):
-            return _choose_cache_aware(cands, req, cfg)
+            return _choose_cache_aware(cands, req, cfg, views)
     if cfg.strategy == "round_robin":
         return cands[turn % len(cands)][1]
     if req.long_context or cfg.strategy == "emptiest":
@@ -272,7 +277,10 @@ def load_bound(loads: Sequence[float], cfg: AdmissionConfig) -> float:
 
 
 def _choose_cache_aware(
-    cands: Sequence[tuple[float, ReplicaView]], req: PlacementRequest, cfg: AdmissionConfig
+    cands: Sequence[tuple[float, ReplicaView]],
+    req: PlacementRequest,
+    cfg: AdmissionConfig,
+    views: Sequence[ReplicaView] = (),
 ) -> ReplicaView:
     """Within one band (see the module doc): when some replica holds part of the prompt,
     the load bound; then, when some replica within it holds more of the prompt than the
@@ -286,9 +294,12 @@ def _choose_cache_aware(
         cfg.affinity_rendezvous
         and not tenant_homes
         and prefix.key_tokens > 0
-        and not any(v.cache_hit_tokens >= prefix.key_tokens for _, v in cands)
+        and (
+            cfg.affinity_conversation_shared
+            or not any(v.cache_hit_tokens >= prefix.key_tokens for _, v in cands)
+        )
     ):
-        return _place_conversation(cands, req, cfg)
+        return _place_conversation(cands, req, cfg, views)
     if tenant_homes or any(v.cache_hit_tokens > 0 for _, v in cands):
         # The bound guards affinity (and a tenant's home replicas): a holder's queued prefill
         # counts as its load, so a hot prefix spills before its queue grows; a prefix every
@@ -321,25 +332,53 @@ def _choose_cache_aware(
 
 
 def _place_conversation(
-    cands: Sequence[tuple[float, ReplicaView]], req: PlacementRequest, cfg: AdmissionConfig
+    cands: Sequence[tuple[float, ReplicaView]],
+    req: PlacementRequest,
+    cfg: AdmissionConfig,
+    views: Sequence[ReplicaView] = (),
 ) -> ReplicaView:
-    """A conversation this process has not placed (no candidate holds its key's block), with
-    new prefixes placed by rendezvous: within the load bound, the first two replicas in the
-    rendezvous order of its shared prefix's key (a tenant's system prompt: its home pair),
-    and of those the first in its conversation key's order. No load comparison: every
-    gateway process, whichever turn it sees, picks the same replica while the bound admits
-    it (the better of two by load is a coin toss between processes, and a later turn sent
-    to the other one of the pair finds only the system prompt); the conversations of a
-    tenant split over its pair by their keys."""
+    """A chat request keyed by its conversation, with new prefixes placed by rendezvous: its
+    conversation's replica is the first in its conversation key's rendezvous order of the
+    first two replicas in its shared prefix's order (a tenant's system prompt: its home pair;
+    the conversations of a tenant split over the pair by their keys).
+
+    ``affinity_conversation_shared`` (the default): that replica while its scraped occupancy
+    is at most the load bound on the candidates' scraped occupancy plus
+    ``affinity_conversation_margin``, else the first candidate in the shared prefix's order
+    (the other of the pair first) within that bound. Only the scrape decides, which every
+    gateway process sees alike: not this process's record of where it placed earlier turns
+    (stale once another process placed a later one elsewhere), nor its in-flight KV (each
+    process's differs, so the conversation's replica was over the bound for one process and
+    not for another). The margin is the hysteresis: a conversation leaves its replica only
+    well above the bound, and returns when the replica is back under the bound plus the
+    margin (bench/results/conversation_key.md, "Shared placement"). The orders are over all
+    of the version's replicas (``views``), not only this process's candidates, so that a
+    replica one process may not use (its ceiling counts the process's in-flight KV) does not
+    shift the pair.
+
+    Off (before): only for a conversation this process has not placed (no candidate holds
+    its key's block); within the load bound on this process's loads, the pair and the first
+    of it as above."""
     prefix = req.prefix
     assert prefix is not None
-    loads = {
-        v.replica_id: v.load(cfg.optimistic_inflight) + queue_term(v, req, cfg) for _, v in cands
-    }
-    bound = load_bound(list(loads.values()), cfg)
-    within = [v for _, v in cands if loads[v.replica_id] <= bound]
-    pair = rendezvous_order(prefix.shared_key, within)[:2]
-    return rendezvous_order(prefix.placement_key, pair)[0]
+    if not cfg.affinity_conversation_shared:
+        loads = {
+            v.replica_id: v.load(cfg.optimistic_inflight) + queue_term(v, req, cfg)
+            for _, v in cands
+        }
+        bound = load_bound(list(loads.values()), cfg)
+        within = [v for _, v in cands if loads[v.replica_id] <= bound]
+        pair = rendezvous_order(prefix.shared_key, within)[:2]
+        return rendezvous_order(prefix.placement_key, pair)[0]
+    scraped = {v.replica_id: v.load(optimistic=False) for _, v in cands}
+    bound = load_bound(list(scraped.values()), cfg)
+    order = rendezvous_order(prefix.shared_key, views or [v for _, v in cands])
+    home = rendezvous_order(prefix.placement_key, order[:2])[0]
+    by_id = {v.replica_id: v for _, v in cands}
+    if scraped.get(home.replica_id, math.inf) <= bound + cfg.affinity_conversation_margin:
+        return by_id[home.replica_id]
+    # the least loaded candidate is within the bound (it is at least the mean)
+    return next(by_id[v.replica_id] for v in order if scraped.get(v.replica_id, math.inf) <= bound)
 
 
 # -- which replicas take long contexts -----------------------------------------------------

@@ -19,7 +19,7 @@ from gateway.admission.prefix import PrefixQuery, make_query
 from gateway.admission.router import Router
 from gateway.admission.routing import PrefixTerms, ReplicaView
 from gateway.config import GatewayConfig
-from tests.admission.test_router import VERSION, Registry
+from tests.admission.test_router import BYTES_PER_TOKEN, CAPACITY_TOKENS, VERSION, Registry
 
 CFG = AdmissionConfig(strategy="cache_aware")
 # one gateway process, or KV events feeding the index: a prompt nobody holds goes as P2C's
@@ -287,9 +287,9 @@ def test_router_sends_a_conversations_next_turn_to_its_history_and_spreads_a_hot
     for _ in range(10):
         second = router.choose(VERSION, "standard", 1000, prefix=q2)
         assert second is not None and second.replica_id == first.replica_id
-    # the holder gets busy: the shared system prompt's new conversations spill to the next
-    # pair of its rendezvous order (each conversation to the one its own key picks), not
-    # further
+    # the holder gets busy (its scrape well above the load bound): the shared system
+    # prompt's new conversations spill to the other replica of its rendezvous pair, not
+    # further (the first in its order within the bound: the same in every process)
     reg.scrape(1.0, **{first.replica_id: 0.6})
     others: Counter[str] = Counter()
     for n in range(20):
@@ -299,7 +299,7 @@ def test_router_sends_a_conversations_next_turn_to_its_history_and_spreads_a_hot
         router.on_dispatch(pick, f"h{n}", 1000, prefix=q)
         router.on_first_token(pick, f"h{n}")
         others[pick.replica_id] += 1
-    assert len(others) == 2  # the spill lands on one pair, which now caches the prompt
+    assert len(others) == 1  # the spill lands on one replica, which now caches the prompt
 
 
 def test_gateway_processes_blind_to_each_other_send_a_conversations_turns_to_one_replica() -> None:
@@ -331,6 +331,67 @@ def test_gateway_processes_blind_to_each_other_send_a_conversations_turns_to_one
         other.on_finish(pick2, f"c{n}-2")
         homes[pick1.replica_id] += 1
     assert len(homes) == 2 and min(homes.values()) >= 5
+
+
+def _conversation(n: int) -> tuple[PrefixQuery, PrefixQuery]:
+    """A conversation's first two turns over a tenant's long system prompt."""
+    salt = "s" * 64
+    system = {"role": "system", "content": " ".join(f"sys{i}" for i in range(400))}
+    first = [system, {"role": "user", "content": f"question {n} " * 20}]
+    second = [*first, {"role": "assistant", "content": "answer " * 30}]
+    second.append({"role": "user", "content": f"and then {n} " * 10})
+    return make_query("t", first, salt, 16), make_query("t", second, salt, 16)
+
+
+def test_a_process_does_not_follow_its_stale_record_of_a_conversation() -> None:
+    """A process that placed an earlier turn of a conversation elsewhere (a spill) sends its
+    next turn to the conversation's replica, as a process that never saw it does (the turns
+    between went there through the other processes); before, it followed its own record."""
+    reg = Registry(6)
+    reg.scrape(0.9, **{f"r{i}": 0.1 for i in range(6)})
+    old_cfg = replace(CFG, affinity_conversation_shared=False)
+    for n in range(10):
+        q1, q2 = _conversation(n)
+        blind = Router(reg, random.Random(1), config=CFG, clock=lambda: 1.0)
+        home = blind.choose(VERSION, "standard", 1000, prefix=q1)
+        assert home is not None
+        elsewhere = next(r for r in reg.records if r.replica_id != home.replica_id)
+        picks = []
+        for cfg in (CFG, old_cfg):
+            router = Router(reg, random.Random(2), config=cfg, clock=lambda: 1.0)
+            router.on_dispatch(elsewhere, f"c{n}", 1000, prefix=q1)
+            router.on_finish(elsewhere, f"c{n}")
+            pick = router.choose(VERSION, "standard", 1000, prefix=q2)
+            assert pick is not None
+            picks.append(pick.replica_id)
+        assert blind.choose(VERSION, "standard", 1000, prefix=q2) == home
+        assert picks == [home.replica_id, elsewhere.replica_id]
+
+
+def test_a_conversation_leaves_its_replica_on_the_scrape_alone_alike_in_every_process() -> None:
+    """Whatever a process has in flight, a conversation stays on its replica while that
+    replica's scraped occupancy is at most the bound on the scrape plus the margin, and once
+    it is above, every process sends it to the same other replica of the pair."""
+    reg = Registry(6)
+    now = [2.0]
+    for n in range(10):
+        q1, _ = _conversation(n)
+        reg.scrape(1.0, **{f"r{i}": 0.1 for i in range(6)})
+        busy = Router(reg, random.Random(1), config=CFG, clock=lambda: now[0])
+        idle = Router(reg, random.Random(2), config=CFG, clock=lambda: now[0])
+        home = idle.choose(VERSION, "standard", 1000, prefix=q1)
+        assert home is not None
+        # 0.3 of the replica's KV this process sent there, not scraped yet
+        busy.on_dispatch(home, f"big{n}", CAPACITY_TOKENS * BYTES_PER_TOKEN * 3 // 10)
+        # scraped 0.35: the bound on the scrape is max(0.142 x 1.25, 0.142 + 0.10) = 0.242
+        reg.scrape(1.0, **{home.replica_id: 0.35})
+        bound = load_bound([0.35] + [0.1] * 5, CFG)
+        assert bound < 0.35 <= bound + CFG.affinity_conversation_margin
+        picks = {r.choose(VERSION, "standard", 1000, prefix=q1) for r in (busy, idle)}
+        assert picks == {home}
+        reg.scrape(1.0, **{home.replica_id: 0.6})
+        picks = {r.choose(VERSION, "standard", 1000, prefix=q1) for r in (busy, idle)}
+        assert len(picks) == 1 and home not in picks
 
 
 def test_router_spreads_requests_whose_only_shared_blocks_every_replica_holds() -> None:
