@@ -82,8 +82,8 @@ class AdmissionConfig:
     # A prompt nobody holds (no client hint, no tenant replicas): on, it goes to the less
     # loaded of its placement key's two rendezvous choices — the same two in every gateway
     # process, so processes that cannot see each other's placements (several processes
-    # without KV events) still meet on a new shared prefix — and a conversation this process
-    # has not placed goes to the one of its system prompt's pair its conversation key picks
+    # without KV events) still meet on a new shared prefix — and a conversation goes to the
+    # one of its system prompt's pair its conversation key picks
     # (``placement._place_conversation``); off, it is placed exactly as P2C places it (the
     # same draw from the router's rng). The gateway turns it off when KV
     # events feed its index, unless GATEWAY_ADMISSION_AFFINITY_RENDEZVOUS says otherwise.
@@ -91,9 +91,10 @@ class AdmissionConfig:
     # With affinity_rendezvous, a chat request keyed by its conversation: on, it goes to its
     # conversation's replica (``placement._place_conversation``) while that replica's scraped
     # occupancy is at most the load bound on scraped occupancy plus this margin, whatever this
-    # process placed before, so that every gateway process (each sees the same scrape)
-    # computes the same replica; off, as before: a conversation this process placed follows
-    # its own record, and the bound counts this process's in-flight KV.
+    # process placed before (but a conversation this process saw spill stays where it went
+    # until the replica is back under the bound), so that every gateway process (each sees
+    # the same scrape) computes the same replica; off, as before: a conversation this process
+    # placed follows its own record, and the bound counts this process's in-flight KV.
     affinity_conversation_shared: bool = True
     affinity_conversation_margin: float = 0.20
     # docs/design.md R6: retry budget over a sliding minute.

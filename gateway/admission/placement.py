@@ -350,8 +350,10 @@ def _place_conversation(
     (stale once another process placed a later one elsewhere), nor its in-flight KV (each
     process's differs, so the conversation's replica was over the bound for one process and
     not for another). The margin is the hysteresis: a conversation leaves its replica only
-    well above the bound, and returns when the replica is back under the bound plus the
-    margin (bench/results/conversation_key.md, "Shared placement"). The orders are over all
+    well above the bound; one this process saw leave (it holds more of the conversation on a
+    replica within the bound than on the conversation's replica) returns when the replica is
+    back under the bound, any other when it is under the bound plus the margin
+    (bench/results/conversation_key.md, "Shared placement"). The orders are over all
     of the version's replicas (``views``), not only this process's candidates, so that a
     replica one process may not use (its ceiling counts the process's in-flight KV) does not
     shift the pair.
@@ -375,7 +377,22 @@ def _place_conversation(
     order = rendezvous_order(prefix.shared_key, views or [v for _, v in cands])
     home = rendezvous_order(prefix.placement_key, order[:2])[0]
     by_id = {v.replica_id: v for _, v in cands}
-    if scraped.get(home.replica_id, math.inf) <= bound + cfg.affinity_conversation_margin:
+    home_load = scraped.get(home.replica_id, math.inf)
+    if home_load <= bound + cfg.affinity_conversation_margin:
+        held = by_id[home.replica_id].cache_hit_tokens
+        if home_load > bound:
+            # Between the bound and the margin: a conversation this process saw spilled (it
+            # holds more of it elsewhere, on a replica within the bound) stays there until
+            # its replica is back under the bound.
+            moved = [
+                v
+                for _, v in cands
+                if v.cache_hit_tokens >= prefix.key_tokens
+                and v.cache_hit_tokens > held
+                and scraped[v.replica_id] <= bound
+            ]
+            if moved:
+                return max(moved, key=lambda v: v.cache_hit_tokens)
         return by_id[home.replica_id]
     # the least loaded candidate is within the bound (it is at least the mean)
     return next(by_id[v.replica_id] for v in order if scraped.get(v.replica_id, math.inf) <= bound)

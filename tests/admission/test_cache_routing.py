@@ -394,6 +394,30 @@ def test_a_conversation_leaves_its_replica_on_the_scrape_alone_alike_in_every_pr
         assert len(picks) == 1 and home not in picks
 
 
+def test_a_process_that_saw_a_conversation_spill_keeps_it_there_until_under_the_bound() -> None:
+    """Hysteresis: between the bound and the bound plus the margin, a process that placed the
+    conversation's last turn on another replica (a spill) keeps it there; a process that did
+    not see it goes to the conversation's replica; under the bound both do."""
+    reg = Registry(6)
+    for n in range(10):
+        q1, q2 = _conversation(n)
+        reg.scrape(1.0, **{f"r{i}": 0.1 for i in range(6)})
+        blind = Router(reg, random.Random(1), config=CFG, clock=lambda: 2.0)
+        saw = Router(reg, random.Random(2), config=CFG, clock=lambda: 2.0)
+        home = blind.choose(VERSION, "standard", 1000, prefix=q1)
+        assert home is not None
+        reg.scrape(1.0, **{home.replica_id: 0.6})
+        spill = saw.choose(VERSION, "standard", 1000, prefix=q1)
+        assert spill is not None and spill != home
+        saw.on_dispatch(spill, f"c{n}", 1000, prefix=q1)
+        saw.on_finish(spill, f"c{n}")
+        reg.scrape(1.0, **{home.replica_id: 0.35})  # above the bound (0.242), under + margin
+        assert saw.choose(VERSION, "standard", 1000, prefix=q2) == spill
+        assert blind.choose(VERSION, "standard", 1000, prefix=q2) == home
+        reg.scrape(1.0, **{home.replica_id: 0.2})
+        assert {r.choose(VERSION, "standard", 1000, prefix=q2) for r in (saw, blind)} == {home}
+
+
 def test_router_spreads_requests_whose_only_shared_blocks_every_replica_holds() -> None:
     """A tenant's short system prompt soon sits on every replica (its requests went
     everywhere): through the real router and index, a burst of its new requests within one
@@ -427,10 +451,15 @@ def test_strategy_knobs_from_env() -> None:
             "GATEWAY_ADMISSION_STRATEGY": "cache_aware",
             "GATEWAY_ADMISSION_AFFINITY_LOAD_FACTOR": "1.5",
             "GATEWAY_ADMISSION_AFFINITY_TENANT_REPLICAS": "4",
+            "GATEWAY_ADMISSION_AFFINITY_CONVERSATION_SHARED": "0",
+            "GATEWAY_ADMISSION_AFFINITY_CONVERSATION_MARGIN": "0.3",
         }
     )
     assert cfg.strategy == "cache_aware" and cfg.affinity_load_factor == 1.5
     assert cfg.affinity_tenant_replicas == 4
+    assert not cfg.affinity_conversation_shared and cfg.affinity_conversation_margin == 0.3
+    with pytest.raises(ValueError, match="affinity_conversation_margin"):
+        AdmissionConfig(affinity_conversation_margin=-0.1)
     with pytest.raises(ValueError, match="affinity_load_factor"):
         AdmissionConfig(affinity_load_factor=0.5)
     with pytest.raises(ValueError, match="affinity_tenant_replicas"):
