@@ -111,7 +111,7 @@ ARMS = (
     ),
     # ... as before ``affinity_conversation_shared``: within the bound on this process's loads
     Arm(
-        "cache-aware (conversation key, own loads) + optimistic in-flight",
+        "cache-aware (conversation key) + own-load bound + optimistic in-flight",
         "cache_aware",
         True,
         conversation_key=True,
