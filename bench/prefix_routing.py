@@ -344,41 +344,30 @@ ARMS = (
     Arm("perfect affinity (tenant pinned)", "pinned"),
 )
 
+
+def before_after(
+    one: str, before: str, after: str, *, conversation_key: bool = True, shared: bool = True
+) -> tuple[Arm, ...]:
+    """1 gateway, 4 gateways, 4 gateways + KV events: each with a rule as before (the
+    ``conversation_key`` or ``shared`` given) and as now, then perfect affinity."""
+    arms: list[Arm] = []
+    for label, gateways, events in (
+        (one, 1, False),
+        ("4 gateways", 4, False),
+        ("4 gateways + KV events", 4, True),
+    ):
+        now = Arm(f"{label}, {after}", "cache_aware", gateways=gateways, kv_events=events)
+        old = replace(now, conversation_key=conversation_key, conversation_shared=shared)
+        arms += [replace(old, label=f"{label}, {before} (before)"), now]
+    return (*arms, Arm("perfect affinity (tenant pinned)", "pinned"))
+
+
 # ``--key-arms``: the conversation key (the gateway's) against the key at ``PLACEMENT_BLOCK``
 # the gateway used before it, in the same run.
-KEY_ARMS = (
-    Arm("cache-aware, key at block 3 (before)", "cache_aware", conversation_key=False),
-    Arm("cache-aware, conversation key", "cache_aware"),
-    Arm("4 gateways, key at block 3 (before)", "cache_aware", gateways=4, conversation_key=False),
-    Arm("4 gateways, conversation key", "cache_aware", gateways=4),
-    Arm(
-        "4 gateways + KV events, key at block 3 (before)",
-        "cache_aware",
-        gateways=4,
-        kv_events=True,
-        conversation_key=False,
-    ),
-    Arm("4 gateways + KV events, conversation key", "cache_aware", gateways=4, kv_events=True),
-    Arm("perfect affinity (tenant pinned)", "pinned"),
-)
-
-# ``--shared-arms``: a conversation placed on the scrape alone (``_place_conversation``, the
+KEY_ARMS = before_after("cache-aware", "key at block 3", "conversation key", conversation_key=False)
+# ``--shared-arms``: a conversation placed on the scrape (``_place_conversation``, the
 # gateway's default) against a process following its own record of it, in the same run.
-SHARED_ARMS = (
-    Arm("1 gateway, own record (before)", "cache_aware", conversation_shared=False),
-    Arm("1 gateway, shared placement", "cache_aware"),
-    Arm("4 gateways, own record (before)", "cache_aware", gateways=4, conversation_shared=False),
-    Arm("4 gateways, shared placement", "cache_aware", gateways=4),
-    Arm(
-        "4 gateways + KV events, own record (before)",
-        "cache_aware",
-        gateways=4,
-        kv_events=True,
-        conversation_shared=False,
-    ),
-    Arm("4 gateways + KV events, shared placement", "cache_aware", gateways=4, kv_events=True),
-    Arm("perfect affinity (tenant pinned)", "pinned"),
-)
+SHARED_ARMS = before_after("1 gateway", "own record", "shared placement", shared=False)
 
 
 def table(runs: list[tuple[SimConfig, list[Result]]]) -> list[str]:
