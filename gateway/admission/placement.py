@@ -345,15 +345,18 @@ def _place_conversation(
     ``affinity_conversation_shared`` (the default): that replica while its scraped occupancy
     is at most the load bound on the candidates' scraped occupancy plus
     ``affinity_conversation_margin``, else the first candidate in the shared prefix's order
-    (the other of the pair first) within that bound. Only the scrape decides, which every
+    (the other of the pair first) within that bound. The scrape decides, which every
     gateway process sees alike: not this process's record of where it placed earlier turns
     (stale once another process placed a later one elsewhere), nor its in-flight KV (each
     process's differs, so the conversation's replica was over the bound for one process and
-    not for another). The margin is the hysteresis: a conversation leaves its replica only
-    well above the bound; one this process saw leave (it holds more of the conversation on a
-    replica within the bound than on the conversation's replica) returns when the replica is
-    back under the bound, any other when it is under the bound plus the margin
-    (bench/results/conversation_key.md, "Shared placement"). The orders are over all
+    not for another). The only term of this process's own is a prefill backlog it queued
+    beyond one engine step (``queue_term``): zero unless deep, it keeps a burst of new prompts
+    off a replica whose queue the scrape does not show yet (the herd's TTFT p99 without it:
+    bench/results/conversation_key.md). The margin is the hysteresis: a conversation leaves
+    its replica only well above the bound; one this process saw leave (it holds more of the
+    conversation on a replica within the bound than on the conversation's replica) returns
+    when the replica is back under the bound, any other when it is under the bound plus the
+    margin (bench/results/conversation_key.md, "Shared placement"). The orders are over all
     of the version's replicas (``views``), not only this process's candidates, so that a
     replica one process may not use (its ceiling counts the process's in-flight KV) does not
     shift the pair.
@@ -372,7 +375,9 @@ def _place_conversation(
         within = [v for _, v in cands if loads[v.replica_id] <= bound]
         pair = rendezvous_order(prefix.shared_key, within)[:2]
         return rendezvous_order(prefix.placement_key, pair)[0]
-    scraped = {v.replica_id: v.load(optimistic=False) for _, v in cands}
+    # the scrape, plus a prefill backlog this process queued there beyond one engine step
+    # (``queue_term``, 0 unless it is deep: then it spares the replica a burst of new prompts)
+    scraped = {v.replica_id: v.load(optimistic=False) + queue_term(v, req, cfg) for _, v in cands}
     bound = load_bound(list(scraped.values()), cfg)
     order = rendezvous_order(prefix.shared_key, views or [v for _, v in cands])
     home = rendezvous_order(prefix.placement_key, order[:2])[0]
