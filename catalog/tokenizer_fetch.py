@@ -23,28 +23,20 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
+from contracts.settings import model_paths
+
 SETTINGS = ("GATEWAY_TOKENIZER_FILES", "GATEWAY_CHAT_TEMPLATES")
 DEFAULT_ENDPOINT = "https://huggingface.co"
 
 
-def _pairs(raw: str, what: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in raw.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise ValueError(f"{what}: {item!r} is not model=value")
-        out[key.strip()] = value.strip()
-    return out
-
-
 def plan(env: Mapping[str, str]) -> list[tuple[str, Path]]:
     """(url, path) for every file the gateway's settings name."""
-    repos = _pairs(env.get("TOKENIZER_REPOS", ""), "TOKENIZER_REPOS")
+    repos = model_paths("TOKENIZER_REPOS", env.get("TOKENIZER_REPOS", ""))
     endpoint = (env.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
     revision = env.get("TOKENIZER_REVISION") or "main"
     files: list[tuple[str, Path]] = []
     for setting in SETTINGS:
-        for model, raw_path in _pairs(env.get(setting, ""), setting).items():
+        for model, raw_path in model_paths(setting, env.get(setting, "")).items():
             if model not in repos:
                 raise ValueError(f"{setting}: {model}: TOKENIZER_REPOS names no repository")
             path = Path(raw_path)
