@@ -3,6 +3,9 @@ standing in for Hugging Face."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from catalog import tokenizer_fetch
+from tests.support import ROOT
 
 FILES = {
     "/org/tiny/resolve/main/tokenizer.json": b'{"model": {}}',
@@ -80,3 +84,25 @@ def test_a_model_without_a_repository_is_refused(tmp_path: Path) -> None:
     env["TOKENIZER_REPOS"] = "other=org/other"
     with pytest.raises(ValueError, match="TOKENIZER_REPOS names no repository"):
         tokenizer_fetch.plan(env)
+
+
+def test_the_init_container_command_runs_without_django(
+    hub: tuple[str, list[str | None]], tmp_path: Path
+) -> None:
+    """What the gateway pod's init container runs, as a process of its own."""
+    endpoint, _ = hub
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env.update(_env(endpoint, tmp_path), PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-m", "catalog.tokenizer_fetch"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "tiny" / "tokenizer_config.json").read_bytes() == FILES[
+        "/org/tiny/resolve/main/tokenizer_config.json"
+    ]
+    assert "wrote" in done.stdout
