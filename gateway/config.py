@@ -224,6 +224,13 @@ class GatewayConfig:
         prefix_seed = env.get("GATEWAY_PREFIX_HASH_SEED") or None
         if prefix_hash not in HASH_ALGOS:
             raise ConfigError(f"GATEWAY_PREFIX_HASH must be one of {', '.join(HASH_ALGOS)}")
+        if prefix_seed is not None and not _valid_hash_seed(prefix_seed):
+            # it is the replicas' PYTHONHASHSEED too: Python refuses any other value at start,
+            # so a fleet given it would not run, and the gateway would hash for nobody
+            raise ConfigError(
+                "GATEWAY_PREFIX_HASH_SEED must be 'random' or an integer in [0, 4294967295]"
+                " (the replicas' PYTHONHASHSEED)"
+            )
         return cls(
             redis_url=env.get("REDIS_URL") or DEFAULT_REDIS_URL,
             readmodel_redis_url=env.get("READMODEL_REDIS_URL") or None,
@@ -304,6 +311,13 @@ class GatewayConfig:
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
     return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _valid_hash_seed(seed: str) -> bool:
+    """A value Python accepts as PYTHONHASHSEED: ``random`` or an integer in [0, 2**32 - 1]."""
+    if seed == "random":
+        return True
+    return seed.isascii() and seed.isdigit() and int(seed) <= 4_294_967_295
 
 
 def _endpoints(raw: str) -> dict[str, str]:
