@@ -19,7 +19,14 @@ module generates for the demo catalog (``tenants.demo.MODELS``), so a change of 
 - ``deploy/k8s/base/replicas.yaml``: per version a StatefulSet of vLLM pods behind a
   headless Service (the gateway routes to each replica by its own address, so each pod has
   a stable DNS name: ``replica-<version>-<i>.replica-<version>``), and the catalog's
-  replica URLs in a ConfigMap that the seed Job reads.
+  replica URLs in a ConfigMap that the seed Job reads. The pods publish their KV-cache
+  events on ``:5557`` of that name, with the block size and hash scheme set explicitly
+  (``catalog.replica.prefix_cache_args``) and ``PYTHONHASHSEED`` from the Secret's
+  ``GATEWAY_PREFIX_HASH_SEED``, the same key the gateways read; the ConfigMap
+  ``fairway-prefix-cache`` (the gateways' ``envFrom``) gives them the same block size and
+  scheme, every pod's event endpoint, and where their init container puts each model's
+  tokenizer files (``catalog.tokenizer_fetch``). docs/operations.md, "Cache-aware routing
+  on real vLLM".
 """
 
 from __future__ import annotations
@@ -33,10 +40,13 @@ from typing import Any
 import yaml
 
 from catalog.replica import (
+    KV_BLOCK_SIZE,
     KV_EVENTS_PORT,
+    PREFIX_HASH_ALGO,
     REPLICA_PORT,
     ServingSpec,
     kv_events_args,
+    prefix_cache_args,
     replica_argv,
     replica_name,
 )
@@ -53,6 +63,13 @@ KV_EVENTS_END = "      # END generated kv events\n"
 VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
 FAIRWAY_IMAGE = "${FAIRWAY_IMAGE:-fairway:dev}"
 REPLICAS_PER_VERSION = 2
+# Kubernetes: the gateways' cache-aware settings (a ConfigMap in replicas.yaml, generated
+# with the replicas it names), the Secret key both sides take the hash seed from, and where
+# the gateway pod's init container puts the models' tokenizer files.
+PREFIX_CONFIG = "fairway-prefix-cache"
+SECRETS = "fairway-secrets"
+HASH_SEED_KEY = "GATEWAY_PREFIX_HASH_SEED"
+TOKENIZER_DIR = "/app/var/tokenizers"
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,19 +196,23 @@ def compose_block(fleet: Fleet) -> str:
     return BEGIN + body + END
 
 
-def kv_event_endpoints(fleet: Fleet) -> dict[str, str]:
-    """Replica id -> its KV-event endpoint, for every compose replica: the gateways'
-    ``GATEWAY_PREFIX_KV_EVENTS``."""
+def kv_event_endpoints(fleet: Fleet, hosts: Any = None) -> dict[str, str]:
+    """Replica id -> its KV-event endpoint, for every replica (of compose, or of ``hosts``):
+    the gateways' ``GATEWAY_PREFIX_KV_EVENTS``."""
+    hosts = hosts or fleet.compose_hosts
     return {
         replica_name(spec.version, replica_url(host)): f"tcp://{host}:{KV_EVENTS_PORT}"
         for spec in fleet.specs
-        for host in fleet.compose_hosts(spec)
+        for host in hosts(spec)
     }
 
 
+def kv_events_setting(fleet: Fleet, hosts: Any = None) -> str:
+    return ",".join(f"{rid}={ep}" for rid, ep in kv_event_endpoints(fleet, hosts).items())
+
+
 def kv_events_block(fleet: Fleet) -> str:
-    value = ",".join(f"{rid}={ep}" for rid, ep in kv_event_endpoints(fleet).items())
-    line = _dump({"GATEWAY_PREFIX_KV_EVENTS": value}).strip()
+    line = _dump({"GATEWAY_PREFIX_KV_EVENTS": kv_events_setting(fleet)}).strip()
     return KV_EVENTS_BEGIN + f"      {line}\n" + KV_EVENTS_END
 
 
@@ -210,6 +231,30 @@ def render_compose(current: str, fleet: Fleet) -> str:
 # -- kubernetes ---------------------------------------------------------------------------
 
 
+def k8s_vllm_argv(spec: ServingSpec) -> list[str]:
+    """A Kubernetes replica's command: the catalog's, its block size and hash scheme
+    explicit, publishing its KV-cache events."""
+    return replica_argv(spec, engine="vllm") + prefix_cache_args() + kv_events_args()
+
+
+def prefix_config(fleet: Fleet) -> dict[str, str]:
+    """The gateways' side of what the replicas' prefix caches are (``fairway-prefix-cache``).
+    The hash seed is not here: it is a secret, in ``fairway-secrets`` for both sides."""
+
+    def files(name: str) -> str:
+        return ",".join(f"{s.version}={TOKENIZER_DIR}/{s.version}/{name}" for s in fleet.specs)
+
+    return {
+        "GATEWAY_PREFIX_HASH": PREFIX_HASH_ALGO,
+        "GATEWAY_PREFIX_BLOCK_SIZE": str(KV_BLOCK_SIZE),
+        "GATEWAY_PREFIX_KV_EVENTS": kv_events_setting(fleet, fleet.k8s_hosts),
+        "GATEWAY_TOKENIZER_FILES": files("tokenizer.json"),
+        "GATEWAY_CHAT_TEMPLATES": files("tokenizer_config.json"),
+        # catalog.tokenizer_fetch: the repository of each version's files (its weights).
+        "TOKENIZER_REPOS": ",".join(f"{s.version}={s.weights}" for s in fleet.specs),
+    }
+
+
 def k8s_documents(fleet: Fleet) -> list[dict[str, Any]]:
     docs: list[dict[str, Any]] = []
     urls = {" ".join(seed_args(fleet, fleet.k8s_hosts))}
@@ -221,10 +266,18 @@ def k8s_documents(fleet: Fleet) -> list[dict[str, Any]]:
             "data": {"REPLICA_ARGS": urls.pop()},
         }
     )
+    docs.append(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": PREFIX_CONFIG},
+            "data": prefix_config(fleet),
+        }
+    )
     for spec in fleet.specs:
         name = f"replica-{spec.version}"
         labels = {"app.kubernetes.io/name": "replica", "fairway.dev/model-version": spec.version}
-        argv = replica_argv(spec, engine="vllm")
+        argv = k8s_vllm_argv(spec)
         docs.append(
             {
                 "apiVersion": "v1",
@@ -234,7 +287,10 @@ def k8s_documents(fleet: Fleet) -> list[dict[str, Any]]:
                     "clusterIP": "None",  # headless: one DNS name per pod
                     "publishNotReadyAddresses": False,
                     "selector": labels,
-                    "ports": [{"name": "http", "port": REPLICA_PORT, "targetPort": "http"}],
+                    "ports": [
+                        {"name": "http", "port": REPLICA_PORT, "targetPort": "http"},
+                        {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": "kv-events"},
+                    ],
                 },
             }
         )
@@ -273,18 +329,32 @@ def k8s_documents(fleet: Fleet) -> list[dict[str, Any]]:
                                     "image": VLLM_IMAGE,
                                     "command": argv[:2],
                                     "args": argv[2:],
-                                    "ports": [{"name": "http", "containerPort": REPLICA_PORT}],
+                                    "ports": [
+                                        {"name": "http", "containerPort": REPLICA_PORT},
+                                        {"name": "kv-events", "containerPort": KV_EVENTS_PORT},
+                                    ],
                                     "env": [
                                         {
                                             "name": "HF_TOKEN",
                                             "valueFrom": {
                                                 "secretKeyRef": {
-                                                    "name": "fairway-secrets",
+                                                    "name": SECRETS,
                                                     "key": "HF_TOKEN",
                                                     "optional": True,
                                                 }
                                             },
-                                        }
+                                        },
+                                        {
+                                            # The first block's parent hash; the gateways
+                                            # read the same key (envFrom the Secret).
+                                            "name": "PYTHONHASHSEED",
+                                            "valueFrom": {
+                                                "secretKeyRef": {
+                                                    "name": SECRETS,
+                                                    "key": HASH_SEED_KEY,
+                                                }
+                                            },
+                                        },
                                     ],
                                     "resources": {
                                         "requests": {

@@ -35,6 +35,12 @@ REPLICA_PORT = 8000
 # vLLM's default KV-cache event endpoint port (``KVEventsConfig.endpoint``).
 KV_EVENTS_PORT = 5557
 LONG_PREFILL_FRACTION = 0.04
+# What a vLLM replica's prefix cache and the gateways' cache-aware index must agree on (the
+# deploy files set both sides from these): tokens per KV block (vLLM's default on CUDA,
+# ``CacheConfig.DEFAULT_BLOCK_SIZE``, set explicitly so that a backend's own choice cannot
+# move it) and the block hash scheme (vLLM's default, ``contracts.blockhash``'s ``sha256``).
+KV_BLOCK_SIZE = 16
+PREFIX_HASH_ALGO = "sha256"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +157,18 @@ def kv_events_args(port: int = KV_EVENTS_PORT) -> list[str]:
     takes the same flag."""
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
     return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+
+
+def prefix_cache_args() -> list[str]:
+    """vLLM's block size and prefix-cache hash scheme, explicit (``KV_BLOCK_SIZE``,
+    ``PREFIX_HASH_ALGO``): the gateway's ``GATEWAY_PREFIX_BLOCK_SIZE`` and
+    ``GATEWAY_PREFIX_HASH`` must name the same."""
+    return [
+        "--block-size",
+        str(KV_BLOCK_SIZE),
+        "--prefix-caching-hash-algo",
+        PREFIX_HASH_ALGO,
+    ]
 
 
 def shell(argv: list[str]) -> str:

@@ -14,8 +14,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
-import orjson
-
 from contracts.blockhash import HASH_ALGOS
 from contracts.defaults import (
     DEFAULT_REDIS_URL,
@@ -24,6 +22,7 @@ from contracts.defaults import (
     MIN_SECRET_BYTES,
     is_redis_url,
 )
+from contracts.settings import model_paths
 from gateway.admission.chat_template import TemplateCounter
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.prefix import parse_endpoints
@@ -225,6 +224,13 @@ class GatewayConfig:
         prefix_seed = env.get("GATEWAY_PREFIX_HASH_SEED") or None
         if prefix_hash not in HASH_ALGOS:
             raise ConfigError(f"GATEWAY_PREFIX_HASH must be one of {', '.join(HASH_ALGOS)}")
+        if prefix_seed is not None and not _valid_hash_seed(prefix_seed):
+            # it is the replicas' PYTHONHASHSEED too: Python refuses any other value at start,
+            # so a fleet given it would not run, and the gateway would hash for nobody
+            raise ConfigError(
+                "GATEWAY_PREFIX_HASH_SEED must be 'random' or an integer in [0, 4294967295]"
+                " (the replicas' PYTHONHASHSEED)"
+            )
         return cls(
             redis_url=env.get("REDIS_URL") or DEFAULT_REDIS_URL,
             readmodel_redis_url=env.get("READMODEL_REDIS_URL") or None,
@@ -307,6 +313,13 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _valid_hash_seed(seed: str) -> bool:
+    """A value Python accepts as PYTHONHASHSEED: ``random`` or an integer in [0, 2**32 - 1]."""
+    if seed == "random":
+        return True
+    return seed.isascii() and seed.isdigit() and int(seed) <= 4_294_967_295
+
+
 def _endpoints(raw: str) -> dict[str, str]:
     try:
         return parse_endpoints(raw)
@@ -316,24 +329,10 @@ def _endpoints(raw: str) -> dict[str, str]:
 
 def _model_paths(name: str, raw: str) -> dict[str, str]:
     """``{"model": "/path", ...}`` or ``model=/path,model2=/path2`` (setting ``name``)."""
-    raw = raw.strip()
-    if not raw:
-        return {}
-    if raw.startswith("{"):
-        try:
-            files = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise ConfigError(f"{name} is not valid JSON: {exc}") from exc
-        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-            raise ConfigError(f"{name} must map model names to file paths")
-        return files
-    files = {}
-    for item in filter(None, (part.strip() for part in raw.split(","))):
-        model, sep, path = item.partition("=")
-        if not sep or not model.strip() or not path.strip():
-            raise ConfigError(f"{name}: {item!r} is not model=path")
-        files[model.strip()] = path.strip()
-    return files
+    try:
+        return model_paths(name, raw)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _token_counters(raw: str, templates: str = "") -> dict[str, ExactCounter]:

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
 import kubernetes_validate
 import pytest
 
-from catalog.deployfiles import K8S_REPLICAS_FILE, demo_fleet, render_k8s
-from catalog.replica import replica_argv
+from catalog import tokenizer_fetch
+from catalog.deployfiles import K8S_REPLICAS_FILE, demo_fleet, k8s_vllm_argv, render_k8s
+from catalog.replica import replica_argv, replica_name
 from gateway.config import GatewayConfig
 from tests.deploy.conftest import base_documents
 
 K8S_VERSION = "1.33.0"
+# vLLM 0.33.0's KVEventsConfig (vllm/config/kv_events.py in its wheel): the fields
+# --kv-events-config accepts, and its publishers.
+VLLM_KV_EVENTS_FIELDS = {
+    "enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps",
+    "hwm", "max_queue_size", "topic",
+}  # fmt: skip
+VLLM_KV_EVENTS_PUBLISHERS = {"null", "zmq"}
+# vLLM 0.33.0's CacheConfig.prefix_caching_hash_algo choices (vllm/config/cache.py).
+VLLM_HASH_ALGOS = {"sha256", "sha256_cbor", "xxhash", "xxhash_cbor"}
 
 
 def _by(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -115,7 +126,9 @@ def test_replicas_run_the_catalog_command(k8s_production: list[dict[str, Any]]) 
     for spec in fleet.specs:
         sts = _by(k8s_production, "StatefulSet", f"replica-{spec.version}")
         (vllm,) = _containers(sts)
-        assert vllm["command"] + vllm["args"] == replica_argv(spec, engine="vllm")
+        argv = vllm["command"] + vllm["args"]
+        assert argv == k8s_vllm_argv(spec)
+        assert argv[: len(replica_argv(spec, engine="vllm"))] == replica_argv(spec, engine="vllm")
         gpus = vllm["resources"]["limits"]["nvidia.com/gpu"]
         assert int(gpus) == spec.tensor_parallel_size
         svc = _by(k8s_production, "Service", f"replica-{spec.version}")
@@ -138,3 +151,115 @@ def test_prometheus_scrapes_the_gateway_metrics_port(k8s_production: list[dict[s
     assert {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"] == port
     service = _by(k8s_production, "Service", "gateway")
     assert [p["port"] for p in service["spec"]["ports"]] == [8080]
+
+
+def _flag(args: list[str], name: str) -> str:
+    assert args.count(name) == 1, name
+    return args[args.index(name) + 1]
+
+
+def _gateway_env(docs: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, Any]]:
+    """The gateway container's environment from its ConfigMaps, and the container."""
+    (container,) = _containers(_by(docs, "StatefulSet", "gateway"))
+    env: dict[str, str] = {}
+    for source in container["envFrom"]:
+        if "configMapRef" in source:
+            env.update(_by(docs, "ConfigMap", source["configMapRef"]["name"])["data"])
+    return env, container
+
+
+def _replica_ids(docs: list[dict[str, Any]]) -> dict[str, str]:
+    """Replica id -> URL of every replica the register Job registers."""
+    seeds = _by(docs, "ConfigMap", "fairway-replicas")["data"]["REPLICA_ARGS"].split()
+    ids = {}
+    for flag, value in zip(seeds[::2], seeds[1::2], strict=True):
+        assert flag == "--replicas"
+        version, _, urls = value.partition("=")
+        ids.update({replica_name(version, url): url for url in urls.split(",")})
+    return ids
+
+
+def test_replicas_and_gateways_agree_on_the_prefix_cache(
+    k8s_production: list[dict[str, Any]],
+) -> None:
+    """Cache-aware routing on real vLLM: every replica's block size, hash scheme, hash seed
+    and KV-event endpoint are the gateways' (docs/operations.md)."""
+    env, gateway = _gateway_env(k8s_production)
+    tokenizer_env = {k: env.pop(k) for k in tokenizer_fetch.SETTINGS}
+    env.pop("FAIRWAY_ENV")  # production wants secrets that are not in the repository
+    config = GatewayConfig.from_env(env)
+    assert config.prefix_hash in VLLM_HASH_ALGOS
+    secret_refs = [s["secretRef"]["name"] for s in gateway["envFrom"] if "secretRef" in s]
+    ids = _replica_ids(k8s_production)
+    assert set(config.prefix_kv_events) == set(ids)  # every registered replica, no other
+    fleet = demo_fleet()
+    for spec in fleet.specs:
+        sts = _by(k8s_production, "StatefulSet", f"replica-{spec.version}")
+        (vllm,) = _containers(sts)
+        args = vllm["args"]
+        assert int(_flag(args, "--block-size")) == config.prefix_block_size
+        assert _flag(args, "--prefix-caching-hash-algo") == config.prefix_hash
+        assert "--enable-prefix-caching" in args
+        # The seed: the replicas' PYTHONHASHSEED is the Secret key the gateways read as
+        # GATEWAY_PREFIX_HASH_SEED, required (both set, never one side alone).
+        seed = next(e for e in vllm["env"] if e["name"] == "PYTHONHASHSEED")
+        ref = seed["valueFrom"]["secretKeyRef"]
+        assert ref["key"] == "GATEWAY_PREFIX_HASH_SEED" and ref["name"] in secret_refs
+        assert not ref.get("optional", False)
+        events = json.loads(_flag(args, "--kv-events-config"))
+        assert set(events) <= VLLM_KV_EVENTS_FIELDS
+        assert events["enable_kv_cache_events"] is True
+        assert events["publisher"] == "zmq" and events["publisher"] in VLLM_KV_EVENTS_PUBLISHERS
+        host, _, port = events["endpoint"].removeprefix("tcp://").rpartition(":")
+        assert host == "*"  # bound on every address: the pod's DNS name reaches it
+        ports = {p["name"]: p["containerPort"] for p in vllm["ports"]}
+        assert ports["kv-events"] == int(port)
+        svc = _by(k8s_production, "Service", f"replica-{spec.version}")
+        service_port = {"name": "kv-events", "port": int(port), "targetPort": "kv-events"}
+        assert service_port in svc["spec"]["ports"]
+        for i in range(sts["spec"]["replicas"]):
+            pod = f"{sts['metadata']['name']}-{i}.{svc['metadata']['name']}"
+            rid = replica_name(spec.version, f"http://{pod}:8000")
+            assert rid in ids
+            assert config.prefix_kv_events[rid] == f"tcp://{pod}:{port}"
+        # The gateway's tokenizer and chat template are the replicas' model's.
+        assert "--tokenizer" not in args
+        repos = dict(item.split("=", 1) for item in env["TOKENIZER_REPOS"].split(","))
+        assert repos[spec.version] == args[0] == spec.weights
+        for setting in tokenizer_fetch.SETTINGS:
+            assert f"{spec.version}=" in tokenizer_env[setting]
+    # Nothing of the seed is committed.
+    for doc in k8s_production:
+        if doc["kind"] == "ConfigMap":
+            assert not {"GATEWAY_PREFIX_HASH_SEED", "PYTHONHASHSEED"} & set(doc["data"])
+
+
+def test_gateway_pods_fetch_the_tokenizer_files_before_start(
+    k8s_production: list[dict[str, Any]],
+) -> None:
+    env, gateway = _gateway_env(k8s_production)
+    pod = _by(k8s_production, "StatefulSet", "gateway")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["args"] == ["run", "python", "-m", "catalog.tokenizer_fetch"]
+    assert {"configMapRef": {"name": "fairway-prefix-cache"}} in init["envFrom"]
+    assert {"configMapRef": {"name": "fairway-prefix-cache"}} in gateway["envFrom"]
+    hf = next(e for e in init["env"] if e["name"] == "HF_TOKEN")
+    assert hf["valueFrom"]["secretKeyRef"]["name"] == "fairway-secrets"
+    mount = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}["tokenizers"]
+    assert {m["name"]: m["mountPath"] for m in gateway["volumeMounts"]}["tokenizers"] == mount
+    files = tokenizer_fetch.plan(env)
+    assert len(files) == 2 * len(demo_fleet().specs)  # tokenizer.json + tokenizer_config.json
+    for url, path in files:
+        assert str(path).startswith(mount + "/")
+        assert url.startswith("https://huggingface.co/meta-llama/")
+        assert url.endswith(f"/resolve/main/{path.name}")
+
+
+def test_production_routes_by_p2c_until_real_hashes_are_checked(
+    k8s_production: list[dict[str, Any]],
+) -> None:
+    """The index is fed (events subscribed) but cache_aware stays off in production:
+    docs/operations.md, "Cache-aware routing on real vLLM", says why."""
+    env, _ = _gateway_env(k8s_production)
+    assert env["GATEWAY_ADMISSION_STRATEGY"] == "p2c"
+    assert env["GATEWAY_PREFIX_KV_EVENTS"]

@@ -169,3 +169,14 @@ def test_gateway_config_selects_the_scheme() -> None:
         GatewayConfig.from_env({"GATEWAY_PREFIX_HASH": "md5", "GATEWAY_PREFIX_HASH_SEED": "1"})
     with pytest.raises(ValueError):
         get_hasher("xxhash")
+
+
+@pytest.mark.parametrize("seed", ["-1", "4294967296", "0x10", "abc", " 1", "١"])
+def test_a_hash_seed_the_replicas_python_would_refuse_stops_the_gateway(seed: str) -> None:
+    with pytest.raises(ConfigError, match="GATEWAY_PREFIX_HASH_SEED"):
+        GatewayConfig.from_env({"GATEWAY_PREFIX_HASH": "sha256", "GATEWAY_PREFIX_HASH_SEED": seed})
+    for ok in ("0", "4294967295", "random"):
+        cfg = GatewayConfig.from_env(
+            {"GATEWAY_PREFIX_HASH": "sha256", "GATEWAY_PREFIX_HASH_SEED": ok}
+        )
+        assert cfg.prefix_hash_seed == ok
