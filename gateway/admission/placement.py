@@ -74,8 +74,9 @@ first two replicas of its shared key's rendezvous order (its system prompt's pai
 in its conversation key's order — while that replica's scraped occupancy is at most the load
 bound on scraped occupancy plus ``affinity_conversation_margin``, else to the first replica of
 the shared key's order within that bound (``_place_conversation``). No load comparison and
-nothing of this process's own (neither where it placed earlier turns nor its in-flight KV):
-the scrape is the same in every process, so whichever process sees a turn computes the same
+neither where this process placed earlier turns nor its in-flight KV (only a deep prefill
+backlog it queued, and a spill it saw, for hysteresis: see ``_place_conversation``): the
+scrape is the same in every process, so whichever process sees a turn computes the same
 replica. Following this process's own record of the conversation sent a turn back to where
 this process had placed an earlier one after the other processes had placed the turns
 between elsewhere, and a bound on each process's own in-flight loads spilled a turn in one
