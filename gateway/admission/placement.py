@@ -385,29 +385,28 @@ def _place_conversation(
     by_id = {v.replica_id: v for _, v in cands}
     if not prefix.continues:
         # A first turn: nothing of the conversation is cached yet and a second turn may
-        # never come (most API traffic is one turn), so it takes the less loaded of two as
-        # P2C does: the conversation's replica (within the bound plus the margin, as a later
+        # never come (most API traffic is one turn), so it takes the better of two as P2C
+        # does: the conversation's replica (within the bound plus the margin, as a later
         # turn) and the next replica within the bound in its system prompt's order. Within
         # one request's own share of a replica the two are as balanced as P2C leaves them,
         # and the conversation's replica keeps the turn, where its next turn, through any
         # gateway process, will go. Sent there regardless, one-turn traffic was placed at
         # random within the bound and the noisy-neighbour bench's TPOT fell behind P2C's
-        # (bench/results/conversation_key.md, "First turns"). Load alone decides, as P2C:
-        # what this process's own index holds of the system prompt is not what the others
-        # hold, and would send the turn away from where they send the next one.
+        # (bench/results/conversation_key.md, "First turns"). The score counts the system
+        # prompt where this process saw it cached: by load alone, 44 replicas under 4
+        # processes served 1.1 points fewer prompt tokens from cache (same section).
+        scores = {v.replica_id: s for s, v in cands}
         first, *rest = [
-            v
+            by_id[v.replica_id]
             for v in (home, *(v for v in order if v is not home))
             if scraped.get(v.replica_id, math.inf)
             <= bound + (cfg.affinity_conversation_margin if v is home else 0.0)
         ][:2]
-        first = by_id[first.replica_id]
         if not rest:
             return first
-        second = by_id[rest[0].replica_id]
         slack = req.kv_bytes / first.capacity_bytes if first.capacity_bytes else 0.0
-        load = cfg.optimistic_inflight
-        return first if first.load(load) <= second.load(load) + slack else second
+        second = rest[0]
+        return first if scores[first.replica_id] + slack >= scores[second.replica_id] else second
     home_load = scraped.get(home.replica_id, math.inf)
     if home_load <= bound + cfg.affinity_conversation_margin:
         held = by_id[home.replica_id].cache_hit_tokens

@@ -306,10 +306,11 @@ def test_router_sends_a_conversations_next_turn_to_its_history_and_spreads_a_hot
 
 
 def test_gateway_processes_blind_to_each_other_send_a_conversations_turns_to_one_replica() -> None:
-    """Two gateway processes (each its own index, no KV events): a conversation's first turn
-    through one and its second through the other land on the same replica, though the second
-    process holds the tenant's long system prompt elsewhere; the tenant's conversations split
-    over its system prompt's rendezvous pair, by their own keys."""
+    """Two gateway processes (each its own index, no KV events): a conversation's later
+    turns, whichever process sees them, land on one replica, though each process holds the
+    tenant's long system prompt where it placed other conversations; the tenant's
+    conversations split over its system prompt's rendezvous pair, by their own keys. (A
+    first turn takes the better of two: see the tests below.)"""
     reg = Registry(6)
     reg.scrape(0.9, **{f"r{i}": 0.1 for i in range(6)})
     a, b = (Router(reg, random.Random(seed), config=CFG, clock=lambda: 1.0) for seed in (1, 2))
@@ -317,22 +318,26 @@ def test_gateway_processes_blind_to_each_other_send_a_conversations_turns_to_one
     system = {"role": "system", "content": " ".join(f"sys{i}" for i in range(400))}
     homes: Counter[str] = Counter()
     for n in range(30):
-        first = [system, {"role": "user", "content": f"question {n} " * 20}]
-        # the two processes take turns to see the conversation's first turn
+        turn = [system, {"role": "user", "content": f"question {n} " * 20}]
         one, other = (a, b) if n % 2 else (b, a)
-        q1 = make_query("t", first, salt, 16)
+        q1 = make_query("t", turn, salt, 16)
         pick1 = one.choose(VERSION, "standard", 1000, prefix=q1)
         assert pick1 is not None
         one.on_dispatch(pick1, f"c{n}-1", 1000, prefix=q1)
         one.on_finish(pick1, f"c{n}-1")
-        turn2 = [*first, {"role": "assistant", "content": "answer " * 30}]
-        turn2.append({"role": "user", "content": f"and then {n} " * 10})
-        q2 = make_query("t", turn2, salt, 16)
-        pick2 = other.choose(VERSION, "standard", 1000, prefix=q2)
-        assert pick2 is not None and pick2.replica_id == pick1.replica_id
-        other.on_dispatch(pick2, f"c{n}-2", 1000, prefix=q2)
-        other.on_finish(pick2, f"c{n}-2")
-        homes[pick1.replica_id] += 1
+        picks = []
+        # the two processes take turns to see the conversation's next turns
+        for k, router in enumerate((other, one, other), start=2):
+            turn = [*turn, {"role": "assistant", "content": f"answer {k} " * 30}]
+            turn.append({"role": "user", "content": f"and then {n} {k} " * 10})
+            q = make_query("t", turn, salt, 16)
+            pick = router.choose(VERSION, "standard", 1000, prefix=q)
+            assert pick is not None
+            router.on_dispatch(pick, f"c{n}-{k}", 1000, prefix=q)
+            router.on_finish(pick, f"c{n}-{k}")
+            picks.append(pick.replica_id)
+        assert len(set(picks)) == 1
+        homes[picks[0]] += 1
     assert len(homes) == 2 and min(homes.values()) >= 5
 
 
@@ -450,6 +455,7 @@ def test_a_first_turn_is_never_placed_above_the_less_loaded_of_its_two(
     ][:2]
     assert pick in eligible
     assert pick.occupancy <= min(v.occupancy for v in eligible) + kv / CAP + 1e-12
+    assert first.prefix is not None
     later = dataclasses.replace(first, prefix=dataclasses.replace(first.prefix, continues=True))
     if home.occupancy <= bound:
         assert choose(views, later, CFG, random.Random(0)) == home
