@@ -69,21 +69,25 @@ same ones), within the tenant's own replicas when ``affinity_tenant_replicas`` i
 
 One exception, for gateway processes blind to each other (``affinity_rendezvous`` on, no
 tenant replicas): a chat request keyed by its conversation (``PrefixTerms.key_tokens``; see
-``gateway.admission.prefix.conversation_block``) goes to its conversation's replica — of the
-first two replicas of its shared key's rendezvous order (its system prompt's pair), the first
-in its conversation key's order — while that replica's scraped occupancy is at most the load
-bound on scraped occupancy plus ``affinity_conversation_margin``, else to the first replica of
-the shared key's order within that bound (``_place_conversation``). No load comparison and
+``gateway.admission.prefix.conversation_block``) that continues it (an assistant turn before
+it: ``PrefixTerms.continues``) goes to its conversation's replica — of the first two replicas
+of its shared key's rendezvous order (its system prompt's pair), the first in its
+conversation key's order — while that replica's scraped occupancy is at most the load bound
+on scraped occupancy plus ``affinity_conversation_margin``, else to the first replica of the
+shared key's order within that bound (``_place_conversation``). No load comparison and
 neither where this process placed earlier turns nor its in-flight KV (only a deep prefill
 backlog it queued, and a spill it saw, for hysteresis: see ``_place_conversation``): the
 scrape is the same in every process, so whichever process sees a turn computes the same
-replica. Following this process's own record of the conversation sent a turn back to where
-this process had placed an earlier one after the other processes had placed the turns
-between elsewhere, and a bound on each process's own in-flight loads spilled a turn in one
-process and not in another (bench/results/conversation_key.md). With
-``affinity_conversation_shared`` off (before), only a conversation no candidate holds the
-key's block of is placed so (within the bound on this process's loads); one this process
-placed is followed as above.
+replica. Following this
+process's own record of the conversation sent a turn back to where this process had placed
+an earlier one after the other processes had placed the turns between elsewhere, and a bound
+on each process's own in-flight loads spilled a turn in one process and not in another
+(bench/results/conversation_key.md). A conversation's first turn takes the better of two,
+as P2C does: its conversation's replica and the next in its system prompt's order, the
+conversation's replica unless the other scores higher by more than the request's own share of
+a replica. With ``affinity_conversation_shared`` off (before), only a conversation no
+candidate holds the key's block of is placed so (within the bound on this process's loads);
+one this process placed is followed as above.
 """
 
 from __future__ import annotations
@@ -342,6 +346,11 @@ def _place_conversation(
     conversation's replica is the first in its conversation key's rendezvous order of the
     first two replicas in its shared prefix's order (a tenant's system prompt: its home pair;
     the conversations of a tenant split over the pair by their keys).
+
+    A first turn (``PrefixTerms.continues`` false) takes the better of two by score: that
+    replica (within the bound plus the margin) and the next candidate within the bound in
+    the shared prefix's order; that replica on a tie within the request's own share of a
+    replica. What follows is for the turns after it.
 
     ``affinity_conversation_shared`` (the default): that replica while its scraped occupancy
     is at most the load bound on the candidates' scraped occupancy plus
