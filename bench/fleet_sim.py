@@ -145,6 +145,9 @@ class FleetConfig:
     # compute in a step. 0 = no cap (what the simulations ran with so far); the platform's
     # replica command sets 4 % of the context (catalog/replica.py), 5,242 for 131,072.
     long_prefill_tokens: int = 0
+    # AdmissionConfig.reserved_off_long_replicas (False: the rule before it, for the
+    # before/after arm of bench/results/fleet_sim_reserved.md).
+    reserved_off_long: bool = True
 
     def admission(self) -> AdmissionConfig:
         layers = LAYERS if self.isolation else tuple(x for x in LAYERS if x != "long_context")
@@ -153,6 +156,7 @@ class FleetConfig:
             optimistic_inflight=self.optimistic,
             count_request_kv=self.isolation,
             context_placement=self.isolation,
+            reserved_off_long_replicas=self.reserved_off_long,
             layers=frozenset(layers),
         )
 
@@ -894,6 +898,7 @@ def isolation_experiments(
     heavy_duration_s: float | None = None,
     chunk_cap: int = 0,
     reserved_pools: tuple[int, ...] = (),
+    reserved_rule_off: bool = False,
 ) -> dict[str, FleetConfig]:
     """The several-heavy-tenants variant, old policy against new in one run: ``heavy``
     standard tenants flooding 128k prompts (at ``heavy_rates``, cycled) on top of the
@@ -901,7 +906,8 @@ def isolation_experiments(
     finish). With ``chunk_cap``, also the new policy on replicas with that
     --long-prefill-token-threshold; with ``reserved_pools``, also the new policy with a
     reserved pool of each of those sizes out of the same replicas (on such replicas when
-    ``chunk_cap`` is given)."""
+    ``chunk_cap`` is given); with ``reserved_rule_off``, also the new policy without
+    ``reserved_off_long_replicas`` (reserved short traffic off the hosting replicas only)."""
     base = scale.config(seed)
     if heavy_duration_s:
         base = replace(base, duration_s=heavy_duration_s, warmup_s=heavy_duration_s / 3)
@@ -911,6 +917,10 @@ def isolation_experiments(
         for name, iso in POLICIES.items()
     }
     new = replace(base, isolation=True)
+    if reserved_rule_off:
+        out[f"new, reserved on idle designated replicas, {heavy} heavy tenants"] = replace(
+            new, reserved_off_long=False
+        )
     if chunk_cap:
         new = replace(new, long_prefill_tokens=chunk_cap)
         out[f"new, chunk cap {chunk_cap:,}, {heavy} heavy tenants"] = new
@@ -1080,7 +1090,16 @@ def write_isolation_report(
             "arrival (503 waits included) and a request never served counted as a miss.",
             "",
         ]
+        sizes = {p.replicas for probes in sizing_probes.values() for p in probes}
+        if len(sizes) == 1 and all(len(probes) == 1 for probes in sizing_probes.values()):
+            rows += [
+                f"One probe per policy at {sizes.pop()} replicas (--size-range left nothing "
+                'to bisect): "holds" is that size\'s verdict, not the fewest replicas that '
+                "hold.",
+            ]
         for name, probes in sizing_probes.items():
+            if len(probes) == 1:
+                continue
             n = needed(probes)
             rows.append(
                 f"- **{name}: {n} replicas** ({n * 4} GPUs)" if n else
@@ -1754,6 +1773,12 @@ def main(argv: list[str] | None = None) -> int:
         "policy (out of the same replicas)",
     )
     ap.add_argument(
+        "--reserved-rule-off",
+        action="store_true",
+        help="isolation runs: also run the new policy without reserved_off_long_replicas "
+        "(the placement before it)",
+    )
+    ap.add_argument(
         "--report",
         default="fleet_sim_isolation.md",
         help="file name of the isolation report under --out",
@@ -1794,6 +1819,7 @@ def main(argv: list[str] | None = None) -> int:
         exps = isolation_experiments(
             scale, args.seed, args.heavy_tenants, heavy_rates, args.heavy_duration,
             chunk_cap=args.chunk_cap, reserved_pools=pools,
+            reserved_rule_off=args.reserved_rule_off,
         )  # fmt: skip
         res = run_all(exps, workers=args.workers)
         load += ", at the end " + _loadavg()
