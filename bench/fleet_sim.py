@@ -1091,15 +1091,16 @@ def write_isolation_report(
             "",
         ]
         sizes = {p.replicas for probes in sizing_probes.values() for p in probes}
-        if len(sizes) == 1 and all(len(probes) == 1 for probes in sizing_probes.values()):
+        single = len(sizes) == 1 and all(len(ps) == 1 for ps in sizing_probes.values())
+        if single:
             rows += [
                 f"One probe per policy at {sizes.pop()} replicas (--size-range left nothing "
                 'to bisect): "holds" is that size\'s verdict, not the fewest replicas that '
                 "hold.",
             ]
         for name, probes in sizing_probes.items():
-            if len(probes) == 1:
-                continue
+            if single:
+                break
             n = needed(probes)
             rows.append(
                 f"- **{name}: {n} replicas** ({n * 4} GPUs)" if n else
