@@ -100,6 +100,9 @@ class Arm:
     # ``AdmissionConfig.affinity_conversation_shared``: a conversation goes where the scrape
     # says (the same in every gateway process), else (before) a process follows its own record
     conversation_shared: bool = True
+    # a conversation's first turn goes to the better of its system prompt's pair (the
+    # gateway's), else (before) to its conversation's replica as every later turn does
+    first_turns: bool = True
 
 
 @dataclass(slots=True)
@@ -286,8 +289,19 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
         query: PrefixQuery | None = None
         if arm.strategy == "cache_aware":
             first = conv.first_user if conv is not None and arm.conversation_key else None
+            # an earlier turn's prompt and reply are in the history (a refused turn's are not)
+            continues = not arm.first_turns or (
+                conv is not None
+                and conv.first_user is not None
+                and len(conv.history) > conv.first_user[0]
+            )
             query = query_from_tokens(
-                f"t{tenant}", tokens, salt(tenant), profile.block_size, first_user=first
+                f"t{tenant}",
+                tokens,
+                salt(tenant),
+                profile.block_size,
+                first_user=first,
+                continues=continues,
             )
         if arm.strategy == "pinned":
             replica: schema.ReplicaRecord | None = records[tenant % n]
@@ -346,10 +360,17 @@ ARMS = (
 
 
 def before_after(
-    one: str, before: str, after: str, *, conversation_key: bool = True, shared: bool = True
+    one: str,
+    before: str,
+    after: str,
+    *,
+    conversation_key: bool = True,
+    shared: bool = True,
+    first_turns: bool = True,
 ) -> tuple[Arm, ...]:
     """1 gateway, 4 gateways, 4 gateways + KV events: each with a rule as before (the
-    ``conversation_key`` or ``shared`` given) and as now, then perfect affinity."""
+    ``conversation_key``, ``shared`` or ``first_turns`` given) and as now, then perfect
+    affinity."""
     arms: list[Arm] = []
     for label, gateways, events in (
         (one, 1, False),
@@ -357,7 +378,12 @@ def before_after(
         ("4 gateways + KV events", 4, True),
     ):
         now = Arm(f"{label}, {after}", "cache_aware", gateways=gateways, kv_events=events)
-        old = replace(now, conversation_key=conversation_key, conversation_shared=shared)
+        old = replace(
+            now,
+            conversation_key=conversation_key,
+            conversation_shared=shared,
+            first_turns=first_turns,
+        )
         arms += [replace(old, label=f"{label}, {before} (before)"), now]
     return (*arms, Arm("perfect affinity (tenant pinned)", "pinned"))
 
@@ -368,6 +394,10 @@ KEY_ARMS = before_after("cache-aware", "key at block 3", "conversation key", con
 # ``--shared-arms``: a conversation placed on the scrape (``_place_conversation``, the
 # gateway's default) against a process following its own record of it, in the same run.
 SHARED_ARMS = before_after("1 gateway", "own record", "shared placement", shared=False)
+# ``--first-arms``: a first turn to the better of its pair against its conversation's replica
+FIRST_ARMS = before_after(
+    "1 gateway", "first turn at its replica", "first turn better of two", first_turns=False
+)
 
 
 def table(runs: list[tuple[SimConfig, list[Result]]]) -> list[str]:
@@ -464,6 +494,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a conversation placed on the scrape alone against a process's own record, 1 and "
         "4 gateways (no churn, no hashing cost)",
     )
+    ap.add_argument(
+        "--first-arms",
+        action="store_true",
+        help="a conversation's first turn to the better of its pair against its conversation's "
+        "replica, 1 and 4 gateways (no churn, no hashing cost)",
+    )
     ap.add_argument("--seed", type=int, default=None, help="the workload's and routers' seed")
     ap.add_argument("--system-tokens", type=int, default=None, help="each tenant's system prompt")
     ap.add_argument("--out", default=str(RESULTS / "prefix_routing.md"))
@@ -485,7 +521,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.system_tokens is not None:
             cfg = replace(cfg, system_tokens=args.system_tokens)
         results = []
-        for arm in KEY_ARMS if args.key_arms else SHARED_ARMS if args.shared_arms else ARMS:
+        arms = (
+            KEY_ARMS
+            if args.key_arms
+            else SHARED_ARMS
+            if args.shared_arms
+            else FIRST_ARMS
+            if args.first_arms
+            else ARMS
+        )
+        for arm in arms:
             if size < 4 and arm.gateways > 1:
                 arm = replace(arm, gateways=2, label=arm.label.replace("4 gateways", "2 gateways"))
             r = run_arm(cfg, arm)
@@ -517,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         *table(runs),
         "",
     ]
-    if args.key_arms or args.shared_arms:
+    if args.key_arms or args.shared_arms or args.first_arms:
         Path(args.out).write_text("\n".join(lines))
         print("\n".join(lines))
         return 0

@@ -88,7 +88,8 @@ class AdmissionConfig:
     # same draw from the router's rng). The gateway turns it off when KV
     # events feed its index, unless GATEWAY_ADMISSION_AFFINITY_RENDEZVOUS says otherwise.
     affinity_rendezvous: bool = True
-    # With affinity_rendezvous, a chat request keyed by its conversation: on, it goes to its
+    # With affinity_rendezvous, a chat request keyed by its conversation that continues it (a
+    # first turn takes the better of two, ``placement._place_conversation``): on, it goes to its
     # conversation's replica (``placement._place_conversation``) while that replica's scraped
     # occupancy is at most the load bound on scraped occupancy plus this margin, whatever this
     # process placed before (but a conversation this process saw spill stays where it went

@@ -74,21 +74,25 @@ same ones), within the tenant's own replicas when ``affinity_tenant_replicas`` i
 
 One exception, for gateway processes blind to each other (``affinity_rendezvous`` on, no
 tenant replicas): a chat request keyed by its conversation (``PrefixTerms.key_tokens``; see
-``gateway.admission.prefix.conversation_block``) goes to its conversation's replica — of the
-first two replicas of its shared key's rendezvous order (its system prompt's pair), the first
-in its conversation key's order — while that replica's scraped occupancy is at most the load
-bound on scraped occupancy plus ``affinity_conversation_margin``, else to the first replica of
-the shared key's order within that bound (``_place_conversation``). No load comparison and
+``gateway.admission.prefix.conversation_block``) that continues it (an assistant turn before
+it: ``PrefixTerms.continues``) goes to its conversation's replica — of the first two replicas
+of its shared key's rendezvous order (its system prompt's pair), the first in its
+conversation key's order — while that replica's scraped occupancy is at most the load bound
+on scraped occupancy plus ``affinity_conversation_margin``, else to the first replica of the
+shared key's order within that bound (``_place_conversation``). No load comparison and
 neither where this process placed earlier turns nor its in-flight KV (only a deep prefill
 backlog it queued, and a spill it saw, for hysteresis: see ``_place_conversation``): the
 scrape is the same in every process, so whichever process sees a turn computes the same
-replica. Following this process's own record of the conversation sent a turn back to where
-this process had placed an earlier one after the other processes had placed the turns
-between elsewhere, and a bound on each process's own in-flight loads spilled a turn in one
-process and not in another (bench/results/conversation_key.md). With
-``affinity_conversation_shared`` off (before), only a conversation no candidate holds the
-key's block of is placed so (within the bound on this process's loads); one this process
-placed is followed as above.
+replica. Following this
+process's own record of the conversation sent a turn back to where this process had placed
+an earlier one after the other processes had placed the turns between elsewhere, and a bound
+on each process's own in-flight loads spilled a turn in one process and not in another
+(bench/results/conversation_key.md). A conversation's first turn takes the better of two,
+as P2C does: its conversation's replica and the next in its system prompt's order, the
+conversation's replica unless the other scores higher by more than the request's own share of
+a replica. With ``affinity_conversation_shared`` off (before), only a conversation no
+candidate holds the key's block of is placed so (within the bound on this process's loads);
+one this process placed is followed as above.
 """
 
 from __future__ import annotations
@@ -360,6 +364,11 @@ def _place_conversation(
     first two replicas in its shared prefix's order (a tenant's system prompt: its home pair;
     the conversations of a tenant split over the pair by their keys).
 
+    A first turn (``PrefixTerms.continues`` false) takes the better of two by score: that
+    replica (within the bound plus the margin) and the next candidate within the bound in
+    the shared prefix's order; that replica on a tie within the request's own share of a
+    replica. What follows is for the turns after it.
+
     ``affinity_conversation_shared`` (the default): that replica while its scraped occupancy
     is at most the load bound on the candidates' scraped occupancy plus
     ``affinity_conversation_margin``, else the first candidate in the shared prefix's order
@@ -400,6 +409,30 @@ def _place_conversation(
     order = rendezvous_order(prefix.shared_key, views or [v for _, v in cands])
     home = rendezvous_order(prefix.placement_key, order[:2])[0]
     by_id = {v.replica_id: v for _, v in cands}
+    if not prefix.continues:
+        # A first turn: nothing of the conversation is cached yet and a second turn may
+        # never come (most API traffic is one turn), so it takes the better of two as P2C
+        # does: the conversation's replica (within the bound plus the margin, as a later
+        # turn) and the next replica within the bound in its system prompt's order. Within
+        # one request's own share of a replica the two are as balanced as P2C leaves them,
+        # and the conversation's replica keeps the turn, where its next turn, through any
+        # gateway process, will go. Sent there regardless, one-turn traffic was placed at
+        # random within the bound and the noisy-neighbour bench's TPOT fell behind P2C's
+        # (bench/results/conversation_key.md, "First turns"). The score counts the system
+        # prompt where this process saw it cached: by load alone, 44 replicas under 4
+        # processes served 1.1 points fewer prompt tokens from cache (same section).
+        scores = {v.replica_id: s for s, v in cands}
+        first, *rest = [
+            by_id[v.replica_id]
+            for v in (home, *(v for v in order if v is not home))
+            if scraped.get(v.replica_id, math.inf)
+            <= bound + (cfg.affinity_conversation_margin if v is home else 0.0)
+        ][:2]
+        if not rest:
+            return first
+        slack = req.kv_bytes / first.capacity_bytes if first.capacity_bytes else 0.0
+        second = rest[0]
+        return first if scores[first.replica_id] + slack >= scores[second.replica_id] else second
     home_load = scraped.get(home.replica_id, math.inf)
     if home_load <= bound + cfg.affinity_conversation_margin:
         held = by_id[home.replica_id].cache_hit_tokens

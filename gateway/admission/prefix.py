@@ -99,6 +99,7 @@ class PrefixQuery:
         "_resume",
         "key_tokens",
         "shared_key",
+        "continues",
     )
 
     def __init__(
@@ -114,14 +115,18 @@ class PrefixQuery:
         cap: int = 0,
         first_user: tuple[int, int | None] | None = None,
         resume: tuple[int, int] = (0, 0),
+        continues: bool = False,
     ) -> None:
         """``tokens``: the prompt's token ids; with ``messages``, only the first ones of
         those messages' prompt, whose first ``cap`` tokens are the whole query (``resume``:
         the first ``resume[1]`` of ``tokens`` are those of ``messages[:resume[0]]`` whole,
         and tokenizing the rest starts there). ``first_user``: where the first user
         message's content starts in the prompt and where that message ends (None: past the
-        tokens known), for the conversation key (``conversation_block``)."""
+        tokens known), for the conversation key (``conversation_block``). ``continues``: the
+        prompt goes on a conversation (it holds an assistant turn), so an earlier turn may
+        be cached where its conversation key places it (``placement._place_conversation``)."""
         self.tenant_id = tenant_id
+        self.continues = continues
         self.block_size = block_size
         self._messages = messages
         self._cap = cap
@@ -393,6 +398,7 @@ def make_query(
         cap=cap,
         first_user=first_user,
         resume=resume,
+        continues=continues_conversation(messages),
     )
 
 
@@ -404,10 +410,12 @@ def query_from_tokens(
     hint: str | None = None,
     hasher: BlockHasher = EMULATOR_HASHER,
     first_user: tuple[int, int | None] | None = None,
+    continues: bool = False,
 ) -> PrefixQuery:
     """The query of a prompt already tokenized (all of ``tokens``); ``first_user``: where
     its first user message's content starts and where that message ends, when known (the
-    conversation key, ``conversation_block``)."""
+    conversation key, ``conversation_block``); ``continues``: as ``PrefixQuery``'s
+    (``continues_conversation`` of the messages)."""
     return PrefixQuery(
         tenant_id,
         block_size,
@@ -416,7 +424,15 @@ def query_from_tokens(
         hasher=hasher,
         hint=hint,
         first_user=first_user,
+        continues=continues,
     )
+
+
+def continues_conversation(messages: Sequence[Mapping[str, object]]) -> bool:
+    """Whether a chat prompt goes on a conversation: some assistant turn precedes its last
+    message. A first turn (a system prompt and a user message, however long) has no earlier
+    turn cached anywhere, and may never have a second one."""
+    return any(m.get("role") == "assistant" for m in messages)
 
 
 class PrefixIndex:

@@ -262,6 +262,7 @@ class Router:
                 hinted=prefix.hinted,
                 key_tokens=prefix.key_tokens,
                 shared_key=prefix.shared_key,
+                continues=prefix.continues,
             )
         pick = route(
             views,

@@ -127,3 +127,6 @@ class PrefixTerms:
     # with a conversation key: the key of what its prompt shares with its tenant's other
     # conversations (the system prompt's), whose rendezvous pair the conversation goes to
     shared_key: int = 0
+    # the prompt goes on a conversation (an assistant turn precedes it): its earlier turns
+    # are where its conversation key places it; a first turn goes to the less loaded of the pair
+    continues: bool = False

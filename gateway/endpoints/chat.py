@@ -7,7 +7,13 @@ from __future__ import annotations
 from contracts.blockhash import get_hasher
 from contracts.schema import Scope
 from gateway.admission.chat_template import TemplateCounter, TemplateRenderError
-from gateway.admission.prefix import PLACEMENT_BLOCK, PrefixQuery, make_query, query_from_tokens
+from gateway.admission.prefix import (
+    PLACEMENT_BLOCK,
+    PrefixQuery,
+    continues_conversation,
+    make_query,
+    query_from_tokens,
+)
 from gateway.admission.tokens import Rule
 from gateway.config import GatewayConfig
 from gateway.endpoints.pipeline import PipelineEndpoint, RequestPipeline
@@ -78,6 +84,7 @@ class ChatCompletions(PipelineEndpoint):
                 req.cache_hint,
                 hasher,
                 req.first_user,
+                continues_conversation(req.messages),
             )
         return make_query(
             tenant_id,
