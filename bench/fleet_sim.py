@@ -89,7 +89,7 @@ class SimRequest:
     tenant: str = ""
     heavy: bool = False  # a flooding tenant's 128k prompt
     long_lease: bool = False  # holds a lease on the long-context budget
-    # Where its time went (the reserved-class miss breakdown, ``miss_cause``): 503s it got,
+    # Where its time went (the reserved-class miss breakdown, ``miss_causes``): 503s it got,
     # when the replica first scheduled it (this attempt), preemptions before its first
     # token and in all.
     rejections: int = 0
@@ -424,7 +424,7 @@ class FleetSim:
                 cfg.seed * 1000 + g,
                 lambda: self.now,
                 reserved=cfg.reserved_replicas,
-            )  # fmt: skip
+            )
             for g in range(cfg.gateways)
         ]
         self.rng = random.Random(cfg.seed)
