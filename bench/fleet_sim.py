@@ -16,6 +16,8 @@ clients retry as described per experiment.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import heapq
 import math
 import random
@@ -30,13 +32,13 @@ import numpy as np
 from bench.cliff import CliffPoint, run_engine
 from bench.noisy_neighbour import threshold_prefill_rate
 from bench.sim import SimRegistry, replica_records, scrape, sim_version
-from bench.stats import TPOT_SLO_S, TTFT_SLO_S
+from bench.stats import TPOT_SLO_S, TTFT_SLO_S, lone_prefill_feasible
 from bench.stats import fmt_ms as _ms
 from bench.stats import fmt_pct as _pct
 from bench.stats import percentile as _p
 from bench.workload import DESIGN_OUTPUT, DESIGN_PROMPT, poisson_arrivals
 from emulator.engine import Engine
-from emulator.profiles import Profile, get_profile
+from emulator.profiles import LLAMA_70B_TP4_H100, Profile, get_profile
 from emulator.replica_flags import platform_engine_config
 from gateway.admission.config import LAYERS, VLLM_PRIORITY, AdmissionConfig, Strategy
 from gateway.admission.estimates import long_context_threshold, prefill_bound_seconds
@@ -58,6 +60,11 @@ HEAVY_PROMPT = 128_000  # a flooding tenant's prompt (plus its output fits the c
 
 # Event kinds, ordered so that at equal times steps finish before new arrivals are routed.
 _STEP, _SCRAPE, _KILL, _ARRIVE = range(4)
+
+
+# A replica step at least TPOT_SLO_S long: (start, end, tokens scheduled, sequences scheduled);
+# tokens > sequences means a prefill chunk rode in it.
+SlowStep = tuple[float, float, int, int]
 
 
 @dataclass(slots=True)
@@ -82,6 +89,13 @@ class SimRequest:
     tenant: str = ""
     heavy: bool = False  # a flooding tenant's 128k prompt
     long_lease: bool = False  # holds a lease on the long-context budget
+    # Where its time went (the reserved-class miss breakdown, ``miss_causes``): 503s it got,
+    # when the replica first scheduled it (this attempt), preemptions before its first
+    # token and in all.
+    rejections: int = 0
+    scheduled: float | None = None
+    preempted_before_first: int = 0
+    preemptions: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +131,23 @@ class FleetConfig:
     # max-min fairness (a tenant asking less than its share gets all it asks).
     heavy_rates: tuple[float, ...] = ()
     tenants: int = 100  # the other traffic's tenants (round robin over request ids)
+    # Model seconds the run goes on after duration_s, arrivals and all (the same load), so
+    # that requests which arrived by duration_s can finish: without it the end of the run
+    # cuts off the long outputs, and the measured requests over-represent short ones, which
+    # are the likelier to miss TPOT (a slow step weighs more in a short mean). The run ends
+    # as soon as every measured request (not heavy) has resolved.
+    drain_s: float = 0.0
+    # Replicas of the reserved pool (docs/design.md R2: only floor traffic enters it; the
+    # reserved class tries it first, then shared replicas under its 0.92 ceiling); 0 = every
+    # replica shared, reserved traffic riding on them with vLLM priority 0.
+    reserved_replicas: int = 0
+    # The replicas' --long-prefill-token-threshold: the most prompt tokens one request may
+    # compute in a step. 0 = no cap (what the simulations ran with so far); the platform's
+    # replica command sets 4 % of the context (catalog/replica.py), 5,242 for 131,072.
+    long_prefill_tokens: int = 0
+    # AdmissionConfig.reserved_off_long_replicas (False: the rule before it, for the
+    # before/after arm of bench/results/fleet_sim_reserved.md).
+    reserved_off_long: bool = True
 
     def admission(self) -> AdmissionConfig:
         layers = LAYERS if self.isolation else tuple(x for x in LAYERS if x != "long_context")
@@ -125,6 +156,7 @@ class FleetConfig:
             optimistic_inflight=self.optimistic,
             count_request_kv=self.isolation,
             context_placement=self.isolation,
+            reserved_off_long_replicas=self.reserved_off_long,
             layers=frozenset(layers),
         )
 
@@ -156,12 +188,19 @@ class SimResult:
     long_refused: int = 0
     long_refused_by: dict[str, int] = field(default_factory=dict)
     long_admitted_by: dict[str, int] = field(default_factory=dict)
+    slow_steps: list[list[SlowStep]] = field(default_factory=list)
 
     def measured(self) -> list[SimRequest]:
-        """Requests that arrived after the fill-up and resolved before the end of the run
-        (still streaming at the end: censored, not counted either way)."""
-        lo = self.cfg.warmup_s
-        return [r for r in self.requests if r.arrival >= lo and r.final]
+        """Requests that arrived in [warmup_s, duration_s) and resolved before the end of the
+        run (still streaming at the end: censored, not counted either way; ``drain_s`` lets
+        them finish)."""
+        lo, hi = self.cfg.warmup_s, self.cfg.duration_s
+        return [r for r in self.requests if lo <= r.arrival < hi and r.final]
+
+    def censored(self) -> int:
+        """Measured arrivals (not heavy) still unresolved at the end of the run."""
+        lo, hi = self.cfg.warmup_s, self.cfg.duration_s
+        return sum(1 for r in self.requests if lo <= r.arrival < hi and not r.final and not r.heavy)
 
     def ttfts(self, reqs: list[SimRequest] | None = None) -> list[float]:
         rs = self.measured() if reqs is None else reqs
@@ -189,14 +228,150 @@ class SimResult:
         return ok / len(rs)
 
 
+def slo_missed(r: SimRequest) -> tuple[bool, bool]:
+    """(TTFT missed, TPOT missed) for one resolved request. TTFT counts from the first
+    attempt's arrival, the 503 waits included, as the fleet sizing counts it: the client
+    waited them. A request never served missed TTFT (and has no TPOT)."""
+    if r.status != "ok" or r.first_token is None or r.finished is None:
+        return True, False
+    tpot = (r.finished - r.first_token) / (r.output - 1) if r.output > 1 else 0.0
+    return r.first_token - r.arrival >= TTFT_SLO_S, tpot >= TPOT_SLO_S
+
+
+def _slow_in(steps: list[SlowStep], lo: float, hi: float) -> tuple[float, float]:
+    """Seconds of the slow steps ending in (lo, hi]: (those carrying a prefill chunk, the
+    decode-only ones). ``steps`` are one replica's, in time order."""
+    ends = [e for _, e, _, _ in steps]
+    with_prefill = decode_only = 0.0
+    for start, end, tokens, seqs in steps[bisect.bisect_right(ends, lo) :]:
+        if end > hi:
+            break
+        if tokens > seqs:
+            with_prefill += end - start
+        else:
+            decode_only += end - start
+    return with_prefill, decode_only
+
+
+# Why a request missed an SLO (``miss_causes``), in the order the report lists them.
+CAUSE_NEVER_SERVED = "never served (503s until the client gave up)"
+CAUSE_RETRIED = "TTFT: 503 retried (the retry-after waits)"
+CAUSE_QUEUED = "TTFT: waited in the replica's queue"
+CAUSE_PREEMPTED_PREFILL = "TTFT: preempted before its first token"
+CAUSE_SLOW_PREFILL = "TTFT: its prefill stretched by co-batched work"
+CAUSE_LONG_PREFILL = "TPOT: prefill chunks in its decode batch"
+CAUSE_FULL_DECODE = "TPOT: decode-only steps over 50 ms (KV-heavy batch)"
+CAUSE_PREEMPTED_DECODE = "TPOT: preempted while decoding"
+CAUSES = (
+    CAUSE_NEVER_SERVED, CAUSE_RETRIED, CAUSE_QUEUED, CAUSE_PREEMPTED_PREFILL,
+    CAUSE_SLOW_PREFILL, CAUSE_LONG_PREFILL, CAUSE_FULL_DECODE, CAUSE_PREEMPTED_DECODE,
+)  # fmt: skip
+
+
+def miss_causes(
+    r: SimRequest, steps: list[SlowStep], profile: Profile | None = None
+) -> tuple[str, ...]:
+    """Why ``r`` missed its SLOs, one cause per SLO missed (empty when it met both).
+
+    TTFT: the largest of its three parts, from the first arrival — the 503 retry-after waits
+    (until this attempt was sent), the wait in the replica's queue (until first scheduled)
+    and the prefill's excess over its lone prefill time on ``profile`` (co-batched decodes
+    and other prompts' chunks) — unless it was preempted before its first token. TPOT: a
+    preemption while decoding, else whichever kind of step of 50 ms or more
+    (``steps``, the replica's) took more of its decode time: those carrying a prefill chunk
+    or decode-only ones (a batch whose KV reads alone take 50 ms)."""
+    ttft_missed, tpot_missed = slo_missed(r)
+    if r.status != "ok" or r.first_token is None or r.finished is None:
+        return (CAUSE_NEVER_SERVED,)
+    out: list[str] = []
+    if ttft_missed:
+        if r.preempted_before_first:
+            out.append(CAUSE_PREEMPTED_PREFILL)
+        else:
+            scheduled = r.sent if r.scheduled is None else r.scheduled
+            lone = (profile or LLAMA_70B_TP4_H100).prefill_seconds(r.prompt)
+            parts = {
+                CAUSE_RETRIED: r.sent - r.arrival,
+                CAUSE_QUEUED: scheduled - r.sent,
+                CAUSE_SLOW_PREFILL: r.first_token - scheduled - lone,
+            }
+            out.append(max(parts, key=parts.__getitem__))
+    if tpot_missed:
+        if r.preemptions > r.preempted_before_first:
+            out.append(CAUSE_PREEMPTED_DECODE)
+        else:
+            with_prefill, decode_only = _slow_in(steps, r.first_token, r.finished)
+            out.append(CAUSE_LONG_PREFILL if with_prefill >= decode_only else CAUSE_FULL_DECODE)
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class ClassSLO:
+    """One class's attainment of both SLOs per request (``slo_missed``), over some of its
+    measured requests, with its misses split by SLO and by cause (``miss_causes``; a request
+    that missed both SLOs counts under each)."""
+
+    n: int
+    met: int
+    ttft_missed: int
+    tpot_missed: int
+    causes: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def attainment(self) -> float:
+        return self.met / self.n if self.n else math.nan
+
+    @property
+    def missed(self) -> int:
+        return self.n - self.met
+
+
+def class_slo(
+    reqs: list[SimRequest], slow_steps: list[list[SlowStep]], profile: Profile | None = None
+) -> ClassSLO:
+    """``ClassSLO`` of ``reqs`` (resolved requests; ``slow_steps`` per replica)."""
+    met = ttft = tpot = 0
+    causes: dict[str, int] = {}
+    for r in reqs:
+        t, d = slo_missed(r)
+        ttft += t
+        tpot += d
+        if not (t or d):
+            met += 1
+            continue
+        steps = slow_steps[r.replica] if 0 <= r.replica < len(slow_steps) else []
+        for c in miss_causes(r, steps, profile):
+            causes[c] = causes.get(c, 0) + 1
+    order = sorted(causes.items(), key=lambda kv: CAUSES.index(kv[0]))
+    return ClassSLO(n=len(reqs), met=met, ttft_missed=ttft, tpot_missed=tpot, causes=tuple(order))
+
+
+def reserved_slo(res: SimResult, feasible_only: bool) -> ClassSLO:
+    """The reserved class (enterprise under its floor) over its measured requests, or over
+    those whose prompt could meet the TTFT SLO on this hardware model at all
+    (``bench.stats.lone_prefill_feasible``; the promise is 99.9 % of these)."""
+    reqs = [
+        r
+        for r in res.measured()
+        if r.tenant_class == "reserved"
+        and not r.heavy
+        and (not feasible_only or lone_prefill_feasible(r.prompt))
+    ]
+    return class_slo(reqs, res.slow_steps)
+
+
 class _Gateway:
     """One gateway process: its own ``gateway.admission.router.Router`` (P2C / emptiest / round
     robin over ``gateway.admission`` policy modules, optimistic in-flight per dispatch) fed by its
     own scrapes."""
 
     def __init__(self, n: int, profile: Profile, cfg: AdmissionConfig, seed: int,
-                 clock: Callable[[], float]) -> None:  # fmt: skip
-        self.records = replica_records(n, name=str)
+                 clock: Callable[[], float], reserved: int = 0) -> None:  # fmt: skip
+        # The first ``reserved`` replicas form the reserved pool (docs/design.md R2).
+        self.records = [
+            dataclasses.replace(rec, pool="reserved") if i < reserved else rec
+            for i, rec in enumerate(replica_records(n, name=str))
+        ]
         self.states = [ReplicaState(record=rec, version=SIM_VERSION) for rec in self.records]
         self.version = sim_version(
             SIM_VERSION, "llama-70b", profile, self.records,
@@ -211,11 +386,12 @@ class _Gateway:
 class _Replica:
     """An ``Engine`` plus what the event loop needs to know about it."""
 
-    def __init__(self, idx: int, profile: Profile, seed: int) -> None:
+    def __init__(self, idx: int, profile: Profile, seed: int, long_prefill_tokens: int = 0) -> None:
         self.idx = idx
-        self.engine = Engine(
-            profile, platform_engine_config(enable_prefix_caching=False), seed=seed
+        flags = platform_engine_config(
+            enable_prefix_caching=False, long_prefill_token_threshold=long_prefill_tokens
         )
+        self.engine = Engine(profile, flags, seed=seed)
         self.alive = True
         self.stepping = False
 
@@ -235,10 +411,20 @@ class FleetSim:
         self.profile = profile
         self.kv_bytes = profile.kv_bytes_per_token
         self.adm = cfg.admission()
-        self.replicas = [_Replica(i, profile, cfg.seed * 7919 + i) for i in range(cfg.replicas)]
+        self.replicas = [
+            _Replica(i, profile, cfg.seed * 7919 + i, cfg.long_prefill_tokens)
+            for i in range(cfg.replicas)
+        ]
         self.now = 0.0
         self.gws = [
-            _Gateway(cfg.replicas, profile, self.adm, cfg.seed * 1000 + g, lambda: self.now)
+            _Gateway(
+                cfg.replicas,
+                profile,
+                self.adm,
+                cfg.seed * 1000 + g,
+                lambda: self.now,
+                reserved=cfg.reserved_replicas,
+            )
             for g in range(cfg.gateways)
         ]
         self.rng = random.Random(cfg.seed)
@@ -251,6 +437,7 @@ class FleetSim:
         self.window_head = 0
         self.attempts = 0
         self.gave_up = 0
+        self.open_measured = 0  # measured arrivals (not heavy) not yet resolved
         self.tokens_at_warmup = np.zeros(cfg.replicas, dtype=np.int64)
         self._tick = {"arrivals": 0, "retries": 0, "rejected": 0, "rejected_first": 0, "errors": 0}
         # The fleet's long-context ledger (Redis in production): lease -> (tenant, bytes,
@@ -261,6 +448,8 @@ class FleetSim:
         self.long_refused = 0
         self.long_refused_by: dict[str, int] = {}
         self.long_admitted_by: dict[str, int] = {}
+        # Per replica, its steps of TPOT_SLO_S or longer: (start, end, tokens, sequences).
+        self.slow_steps: list[list[SlowStep]] = [[] for _ in range(cfg.replicas)]
         version = self.gws[0].version
         self.long_threshold = long_context_threshold(version)
         self.version_rec = version
@@ -272,9 +461,19 @@ class FleetSim:
         heapq.heappush(self.events, (t, kind, self.seq, payload))
 
     def _generate(self) -> None:
+        """The arrivals of [0, duration_s), then those of the drain (``drain_s``) from
+        generators of their own, so that the first window's arrivals do not depend on it."""
         cfg = self.cfg
-        rng = np.random.default_rng(cfg.seed)
-        times = poisson_arrivals(rng, cfg.rate_rps, 0.0, cfg.duration_s)
+        rid = self._draw(0, 0.0, cfg.duration_s)
+        if cfg.drain_s > 0:
+            self._draw(rid, cfg.duration_s, cfg.duration_s + cfg.drain_s, salt=1_000_003)
+
+    def _draw(self, rid: int, start: float, end: float, salt: int = 0) -> int:
+        """Poisson arrivals of the shape and of the heavy tenants on [start, end), request ids
+        from ``rid``; returns the next free id."""
+        cfg = self.cfg
+        rng = np.random.default_rng(cfg.seed + salt)
+        times = poisson_arrivals(rng, cfg.rate_rps, start, end)
         prompts = DESIGN_PROMPT.sample(rng, len(times))
         outputs = DESIGN_OUTPUT.sample(rng, len(times))
         if cfg.literal:
@@ -285,28 +484,40 @@ class FleetSim:
         for i, t in enumerate(times):
             cls = names[int(classes[i])]
             r = SimRequest(
-                rid=i,
+                rid=rid + i,
                 tenant_class=cls,
                 prompt=int(prompts[i]),
                 output=int(outputs[i]),
                 arrival=float(t),
                 priority=VLLM_PRIORITY[cls],
             )
-            r.tenant = f"t{i % cfg.tenants}"
-            self.requests.append(r)
-            self.push(float(t), _ARRIVE, r)
-        rid = len(times)
+            r.tenant = f"t{(rid + i) % cfg.tenants}"
+            self._add(r)
+        rid += len(times)
         for h in range(cfg.heavy_tenants):
-            hrng = np.random.default_rng(cfg.seed * 101 + h)
+            hrng = np.random.default_rng(cfg.seed * 101 + h + salt)
             rate = cfg.heavy_rates[h % len(cfg.heavy_rates)] if cfg.heavy_rates else cfg.heavy_rps
-            for t in poisson_arrivals(hrng, rate, 0.0, cfg.duration_s):
+            for t in poisson_arrivals(hrng, rate, start, end):
                 out = int(min(3_000, max(1, DESIGN_OUTPUT.sample(hrng, 1)[0])))
                 r = SimRequest(rid=rid, tenant_class="standard", prompt=HEAVY_PROMPT,
                                output=out, arrival=float(t), priority=VLLM_PRIORITY["standard"],
                                tenant=f"heavy-{h + 1}", heavy=True)  # fmt: skip
                 rid += 1
-                self.requests.append(r)
-                self.push(float(t), _ARRIVE, r)
+                self._add(r)
+        return rid
+
+    def _add(self, r: SimRequest) -> None:
+        self.requests.append(r)
+        self.push(r.arrival, _ARRIVE, r)
+        if not r.heavy and self.cfg.warmup_s <= r.arrival < self.cfg.duration_s:
+            self.open_measured += 1
+
+    def _resolve(self, r: SimRequest, at: float) -> None:
+        """``r`` completed or its client gave up."""
+        r.final = True
+        r.ended = at
+        if not r.heavy and self.cfg.warmup_s <= r.arrival < self.cfg.duration_s:
+            self.open_measured -= 1
 
     # -- the gateway's decision ----------------------------------------------------------
 
@@ -319,6 +530,7 @@ class FleetSim:
 
     def _reject(self, r: SimRequest, now: float, retry_after_s: float) -> None:
         self._tick["rejected"] += 1
+        r.rejections += 1
         if r.attempt == 0:
             self._tick["rejected_first"] += 1
         self._client_retry(r, now + retry_after_s, status="rejected")
@@ -327,12 +539,12 @@ class FleetSim:
         r.status = status
         if r.attempt + 1 >= self.cfg.max_attempts:
             self.gave_up += 1
-            r.final = True
-            r.ended = at
+            self._resolve(r, at)
             return
         r.attempt += 1
         r.first_token = None
         r.finished = None
+        r.scheduled = None
         self.push(at, _ARRIVE, r)
 
     def _arrive(self, r: SimRequest, now: float) -> None:
@@ -424,7 +636,7 @@ class FleetSim:
         for who, b, pend in self.long_leases.values():
             usage[who] = usage.get(who, 0) + b
             prefilling += pend > now
-        shared = self.cfg.replicas
+        shared = self.cfg.replicas - self.cfg.reserved_replicas
         budget, slots = long_context_budget(self.version_rec, shared, "standard", self.adm)
         need = (r.prompt + r.output) * self.kv_bytes  # prompt and output growth, as the gateway
         ok = long_context_admits(tenant=r.tenant, need=need, budget=budget, slots=slots,
@@ -472,9 +684,16 @@ class FleetSim:
             rep.stepping = False
             return
         end = res.end
+        if res.duration >= TPOT_SLO_S:
+            self.slow_steps[idx].append(
+                (res.start, end, res.num_scheduled_tokens, res.num_scheduled_seqs)
+            )
         for req in res.emitted:
             if req.num_output == 1:
-                req.handle.first_token = end
+                h = req.handle
+                h.first_token = end
+                h.scheduled = req.first_scheduled_time
+                h.preempted_before_first = req.num_preemptions
                 self._prefilled(req.request_id, end)
                 gw = self.gws[req.handle.gateway]
                 gw.router.on_first_token(gw.records[idx], req.request_id)
@@ -484,9 +703,9 @@ class FleetSim:
             gw.router.on_finish(gw.records[idx], req.request_id)
             self._long_release(r, req.request_id)
             r.finished = end
+            r.preemptions = req.num_preemptions
             r.status = "ok"
-            r.final = True
-            r.ended = end
+            self._resolve(r, end)
         self.push(end, _STEP, idx)
 
     def _scrape(self, g: int, now: float) -> None:
@@ -542,10 +761,10 @@ class FleetSim:
             self.push(cfg.kill_at_s, _KILL, None)
         next_sample = cfg.sample_s
         warm_done = False
-        end = cfg.duration_s
+        end = cfg.duration_s + cfg.drain_s
         while self.events:
             t, kind, _, payload = heapq.heappop(self.events)
-            if t > end:
+            if t > end or (t > cfg.duration_s and not self.open_measured):
                 break
             self.now = t
             while t >= next_sample:
@@ -576,6 +795,7 @@ class FleetSim:
             long_refused=self.long_refused,
             long_refused_by=self.long_refused_by,
             long_admitted_by=self.long_admitted_by,
+            slow_steps=self.slow_steps,
         )
 
 
@@ -618,6 +838,8 @@ class Scale:
     gateways: int = 4
     cliff_duration_s: float = 240.0
     cliff_warmup_s: float = 80.0
+    drain_s: float = 0.0  # FleetConfig.drain_s
+    long_prefill_tokens: int = 0  # FleetConfig.long_prefill_tokens
 
     def config(self, seed: int) -> FleetConfig:
         """The fleet at this scale: every experiment varies it."""
@@ -628,6 +850,8 @@ class Scale:
             warmup_s=self.warmup_s,
             gateways=self.gateways,
             seed=seed,
+            drain_s=self.drain_s,
+            long_prefill_tokens=self.long_prefill_tokens,
         )
 
     @classmethod
@@ -672,19 +896,38 @@ def isolation_experiments(
     heavy: int,
     heavy_rates: tuple[float, ...] = (),
     heavy_duration_s: float | None = None,
+    chunk_cap: int = 0,
+    reserved_pools: tuple[int, ...] = (),
+    reserved_rule_off: bool = False,
 ) -> dict[str, FleetConfig]:
     """The several-heavy-tenants variant, old policy against new in one run: ``heavy``
     standard tenants flooding 128k prompts (at ``heavy_rates``, cycled) on top of the
     heavy-tailed shape, run for ``heavy_duration_s`` (long enough for a 128k request to
-    finish)."""
+    finish). With ``chunk_cap``, also the new policy on replicas with that
+    --long-prefill-token-threshold; with ``reserved_pools``, also the new policy with a
+    reserved pool of each of those sizes out of the same replicas (on such replicas when
+    ``chunk_cap`` is given); with ``reserved_rule_off``, also the new policy without
+    ``reserved_off_long_replicas`` (reserved short traffic off the hosting replicas only)."""
     base = scale.config(seed)
     if heavy_duration_s:
         base = replace(base, duration_s=heavy_duration_s, warmup_s=heavy_duration_s / 3)
     base = replace(base, heavy_tenants=heavy, heavy_rates=heavy_rates)
-    return {
+    out = {
         f"{name}, {heavy} heavy tenants": replace(base, isolation=iso)
         for name, iso in POLICIES.items()
     }
+    new = replace(base, isolation=True)
+    if reserved_rule_off:
+        out[f"new, reserved on idle designated replicas, {heavy} heavy tenants"] = replace(
+            new, reserved_off_long=False
+        )
+    if chunk_cap:
+        new = replace(new, long_prefill_tokens=chunk_cap)
+        out[f"new, chunk cap {chunk_cap:,}, {heavy} heavy tenants"] = new
+    for k in reserved_pools:
+        label = f"new, reserved pool {k}" + (f", chunk cap {chunk_cap:,}" if chunk_cap else "")
+        out[f"{label}, {heavy} heavy tenants"] = replace(new, reserved_replicas=k)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -699,6 +942,9 @@ class Probe:
     fullest_p99: float
     refused: float  # share of measured requests that ended refused (gave up)
     wall_s: float
+    reserved: ClassSLO = ClassSLO(0, 0, 0, 0)  # the reserved class, all its requests
+    reserved_feasible: ClassSLO = ClassSLO(0, 0, 0, 0)  # ... those that could meet TTFT
+    censored: int = 0  # measured arrivals still unresolved at the end (``SimResult.censored``)
 
     @property
     def holds(self) -> bool:
@@ -721,6 +967,9 @@ def probe_of(res: SimResult) -> Probe:
         fullest_p99=_p(list(occ), 99),
         refused=sum(1 for r in meas if r.status != "ok") / max(1, len(meas)),
         wall_s=res.wall_s,
+        reserved=reserved_slo(res, feasible_only=False),
+        reserved_feasible=reserved_slo(res, feasible_only=True),
+        censored=res.censored(),
     )
 
 
@@ -773,7 +1022,7 @@ def _heavy_tenant_table(res: SimResult, lo: float, end: float) -> list[str]:
         offered.setdefault(r.tenant, 0)
         prefilled.setdefault(r.tenant, 0)
         done.setdefault(r.tenant, 0)
-        if r.arrival >= lo:
+        if lo <= r.arrival < end:
             offered[r.tenant] += 1
         if r.first_token is not None and lo <= r.first_token <= end:
             prefilled[r.tenant] += r.prompt
@@ -809,6 +1058,7 @@ def write_isolation_report(
     out_dir: Path = RESULTS,
     sizing_probes: dict[str, list[Probe]] | None = None,
     load: str = "",
+    report_name: str = "fleet_sim_isolation.md",
 ) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     any_cfg = next(iter(results.values())).cfg
@@ -840,7 +1090,17 @@ def write_isolation_report(
             "arrival (503 waits included) and a request never served counted as a miss.",
             "",
         ]
+        sizes = {p.replicas for probes in sizing_probes.values() for p in probes}
+        single = len(sizes) == 1 and all(len(ps) == 1 for ps in sizing_probes.values())
+        if single:
+            rows += [
+                f"One probe per policy at {sizes.pop()} replicas (--size-range left nothing "
+                'to bisect): "holds" is that size\'s verdict, not the fewest replicas that '
+                "hold.",
+            ]
         for name, probes in sizing_probes.items():
+            if single:
+                break
             n = needed(probes)
             rows.append(
                 f"- **{name}: {n} replicas** ({n * 4} GPUs)" if n else
@@ -901,9 +1161,97 @@ def write_isolation_report(
     for name, res in results.items():
         rows += ["", f"**{name}** — heavy tenants:", ""]
         rows += _heavy_tenant_table(res, res.cfg.warmup_s, res.cfg.duration_s)
-    path = out_dir / "fleet_sim_isolation.md"
+    rows += _reserved_section(results, sizing_probes)
+    path = out_dir / report_name
     path.write_text("\n".join(rows) + "\n")
     return path
+
+
+def _causes_cell(c: ClassSLO) -> str:
+    return "; ".join(f"{name}: {n}" for name, n in c.causes) or "—"
+
+
+def _slo_cells(c: ClassSLO) -> list[object]:
+    """attainment (n), missed, of which TTFT / TPOT, by cause."""
+    return [
+        f"{_pct(c.attainment, 2)} ({c.n})", c.missed, f"{c.ttft_missed} / {c.tpot_missed}",
+        _causes_cell(c),
+    ]  # fmt: skip
+
+
+def _reserved_section(
+    results: dict[str, SimResult], sizing_probes: dict[str, list[Probe]] | None
+) -> list[str]:
+    """The reserved class's attainment of both SLOs per request, over all its measured
+    requests and over the feasible ones (the promise: 99.9 % of these), with the misses
+    split by SLO and cause, for every sizing probe and every heavy-tenant run."""
+    any_cfg = next(iter(results.values())).cfg
+    rows = [
+        "",
+        "## Reserved class (enterprise under its floor): both SLOs per request",
+        "",
+        "The promise (docs/operations.md, Capacity): both SLOs on 99.9 % of the requests whose "
+        "prompt could meet the TTFT SLO on this hardware model at all — its lone prefill on "
+        f"{PROFILE} under 1 s (`bench.stats.lone_prefill_feasible`: prompts under "
+        f"{_feasible_limit():,} tokens). Per request: TTFT < 1 s counted from the first "
+        "attempt's arrival (503 waits included; never served = a TTFT miss) and mean TPOT < "
+        "50 ms. A request that missed both counts under each SLO and each cause. Causes: "
+        "TTFT — the largest of the 503 retry-after waits, the wait in the replica's queue (to "
+        "its first scheduled step) and the prefill's excess over its lone prefill time, or a "
+        "preemption before the first token; TPOT — a preemption while decoding, else which "
+        "kind of replica step of 50 ms or more took more of its decode time: steps carrying "
+        "a prefill chunk or decode-only ones. "
+        + (
+            f"Each run goes on {any_cfg.drain_s:g} model-s past its end with the same "
+            "arrivals so that the measured requests can finish; censored = measured arrivals "
+            "still unresolved then (not counted either way)."
+            if any_cfg.drain_s
+            else "Censored = measured arrivals still streaming at the end of the run (not "
+            "counted either way: the cut keeps short outputs and drops long ones)."
+        ),
+        "",
+        "| run | replicas (reserved pool) | replica chunk cap | reserved: attainment (n) | "
+        "feasible: attainment (n) | feasible missed | of which TTFT / TPOT | feasible misses "
+        "by cause | censored (all classes) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def cap(cfg: FleetConfig) -> str:
+        return f"{cfg.long_prefill_tokens:,}" if cfg.long_prefill_tokens else "none"
+
+    for name, probes in (sizing_probes or {}).items():
+        for p in sorted(probes, key=lambda x: x.replicas):
+            feas = _slo_cells(p.reserved_feasible)
+            rows.append(
+                _md_row([
+                    f"{name} (sizing probe)", p.replicas, cap(any_cfg),
+                    f"{_pct(p.reserved.attainment, 2)} ({p.reserved.n})", *feas, p.censored,
+                ])
+            )  # fmt: skip
+    for name, res in results.items():
+        cfg = res.cfg
+        reps = f"{cfg.replicas}" + (f" ({cfg.reserved_replicas})" if cfg.reserved_replicas else "")
+        every = reserved_slo(res, feasible_only=False)
+        feas = _slo_cells(reserved_slo(res, feasible_only=True))
+        rows.append(
+            _md_row([
+                name, reps, cap(cfg), f"{_pct(every.attainment, 2)} ({every.n})", *feas,
+                res.censored(),
+            ])
+        )  # fmt: skip
+    return rows
+
+
+def _feasible_limit(profile: Profile = LLAMA_70B_TP4_H100) -> int:
+    """The shortest prompt that is not feasible (``lone_prefill_feasible``)."""
+    lo, hi = 1, profile.max_model_len
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if lone_prefill_feasible(mid, profile):
+            lo = mid
+        else:
+            hi = mid
+    return hi
 
 
 def _run_named(item: tuple[str, FleetConfig]) -> tuple[str, SimResult]:
@@ -948,7 +1296,8 @@ def _after(res: SimResult, t: float) -> list[SimRequest]:
 
 
 def _series_window(res: SimResult, lo: float) -> np.ndarray:
-    return np.asarray(res.series.t) >= lo
+    t = np.asarray(res.series.t)
+    return (t >= lo) & (t <= res.cfg.duration_s)
 
 
 def sizing(profile: Profile, scale: Scale, seed: int = 1) -> tuple[float, list[CliffPoint]]:
@@ -1405,6 +1754,37 @@ def main(argv: list[str] | None = None) -> int:
         help="model seconds of the heavy-tenant runs (default: --duration)",
     )
     ap.add_argument(
+        "--drain",
+        type=float,
+        default=0.0,
+        help="model seconds each isolation run goes on after its end, arrivals and all, so "
+        "that the measured requests can finish (FleetConfig.drain_s)",
+    )
+    ap.add_argument(
+        "--chunk-cap",
+        type=int,
+        default=0,
+        help="isolation runs: also run the new policy on replicas with this "
+        "--long-prefill-token-threshold (the platform's: 5242)",
+    )
+    ap.add_argument(
+        "--reserved-pools",
+        default="",
+        help="isolation runs: comma-separated reserved-pool sizes, each also run with the new "
+        "policy (out of the same replicas)",
+    )
+    ap.add_argument(
+        "--reserved-rule-off",
+        action="store_true",
+        help="isolation runs: also run the new policy without reserved_off_long_replicas "
+        "(the placement before it)",
+    )
+    ap.add_argument(
+        "--report",
+        default="fleet_sim_isolation.md",
+        help="file name of the isolation report under --out",
+    )
+    ap.add_argument(
         "--size-range",
         default="",
         help="LO,HI[,STEP]: also bisect the replicas each policy needs for both SLOs "
@@ -1420,8 +1800,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             heavy_rates = tuple(float(x) for x in args.heavy_rps.split(",") if x.strip())
             bounds = [int(x) for x in args.size_range.split(",") if x.strip()]
+            pools = tuple(int(x) for x in args.reserved_pools.split(",") if x.strip())
         except ValueError:
-            ap.error("--heavy-rps takes numbers, --size-range integers LO,HI[,STEP]")
+            ap.error(
+                "--heavy-rps takes numbers, --size-range integers LO,HI[,STEP], "
+                "--reserved-pools integers"
+            )
+        scale = replace(scale, drain_s=args.drain)
         if args.size_range and not (len(bounds) in (2, 3) and 0 < bounds[0] < bounds[1]):
             ap.error("--size-range takes LO,HI[,STEP] with 0 < LO < HI")
         command = "python -m bench.fleet_sim " + " ".join(
@@ -1433,11 +1818,13 @@ def main(argv: list[str] | None = None) -> int:
             step = bounds[2] if len(bounds) == 3 else 1
             probes = fleet_sizing(scale, args.seed, bounds[0], bounds[1], step, args.workers)
         exps = isolation_experiments(
-            scale, args.seed, args.heavy_tenants, heavy_rates, args.heavy_duration
-        )
+            scale, args.seed, args.heavy_tenants, heavy_rates, args.heavy_duration,
+            chunk_cap=args.chunk_cap, reserved_pools=pools,
+            reserved_rule_off=args.reserved_rule_off,
+        )  # fmt: skip
         res = run_all(exps, workers=args.workers)
         load += ", at the end " + _loadavg()
-        path = write_isolation_report(res, scale, command, args.out, probes, load)
+        path = write_isolation_report(res, scale, command, args.out, probes, load, args.report)
         print(f"[fleet_sim] wrote {path}", flush=True)
         return 0
     command = (

@@ -36,10 +36,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.stats import TPOT_SLO_S, TTFT_SLO_S, percentile
+from bench.stats import TPOT_SLO_S, TTFT_SLO_S, lone_prefill_feasible, percentile
 from bench.workload import DESIGN_OUTPUT, DESIGN_PROMPT
 from emulator.engine import Engine
-from emulator.profiles import LLAMA_70B_TP4_H100 as REAL_PROFILE
 from emulator.profiles import Profile
 from emulator.replica_flags import platform_engine_config
 
@@ -56,7 +55,7 @@ class Probe:
     tpot_p95_s: float
     completed: int
     # share of the requests whose prompt's lone prefill on the real profile is under the
-    # TTFT target (bench/nn_multi.py's "feasible") that met both SLOs
+    # TTFT target (``bench.stats.lone_prefill_feasible``) that met both SLOs
     feasible_attainment: float = math.nan
 
     @property
@@ -156,7 +155,7 @@ def _run(
                 tpots.append(tpot)
                 ttft = max(0.0, ttft - (k - 1) * tpot)
             ttfts.append(ttft)
-            if REAL_PROFILE.prefill_seconds(real_prompt[req.request_id]) < TTFT_SLO_S:
+            if lone_prefill_feasible(real_prompt[req.request_id]):
                 feasible.append(ttft < TTFT_SLO_S and (tpot is None or tpot < TPOT_SLO_S))
 
 

@@ -34,7 +34,6 @@ from bench import cluster
 from bench.noisy_neighbour import (
     ARM_TITLES,
     QUIET_ARMS,
-    TTFT_TARGET_S,
     ArmResult,
     NNConfig,
     coarse_profile,
@@ -42,7 +41,14 @@ from bench.noisy_neighbour import (
     summarise,
     tenants,
 )
-from bench.stats import TPOT_SLO_S, TTFT_SLO_S, Outcome, percentile, ratio_interval
+from bench.stats import (
+    TPOT_SLO_S,
+    TTFT_SLO_S,
+    Outcome,
+    lone_prefill_feasible,
+    percentile,
+    ratio_interval,
+)
 from bench.workload import NOISY_PROMPT_TOKENS, build_workload
 from emulator.profiles import LLAMA_70B_TP4_H100
 
@@ -56,12 +62,6 @@ def _shared_peak(res: ArmResult, shared: int) -> float:
         if f"r{i}" in res.traces and res.traces[f"r{i}"].occupancy
     ]
     return max(peaks) if peaks else math.nan
-
-
-def _feasible(o: Outcome) -> bool:
-    """Could this prompt meet the TTFT SLO at all: its lone prefill on the (real) 70B
-    profile under the TTFT target."""
-    return LLAMA_70B_TP4_H100.prefill_seconds(o.prompt_tokens) < TTFT_TARGET_S
 
 
 def _ratio(x: float, quiet: float) -> float:
@@ -176,7 +176,7 @@ def evaluate(
     fair = min(served.values(), default=0) > 0 and max(served.values()) <= 2 * min(served.values())
     slots = long_prompts_servable(cfg, res.measured_s)
     ent = [o for o in res.outcomes if o.admission_class == "reserved"]
-    ent_feasible = [o for o in ent if _feasible(o)]
+    ent_feasible = [o for o in ent if lone_prefill_feasible(o.prompt_tokens)]
     peak = _shared_peak(res, cfg.shared_replicas)
     lag = sum(t.clock_lag_s for t in res.traces.values())
     lines.append("")

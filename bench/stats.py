@@ -13,8 +13,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from emulator.profiles import LLAMA_70B_TP4_H100, Profile
+
 TTFT_SLO_S = 1.0
 TPOT_SLO_S = 0.050
+
+
+def lone_prefill_feasible(
+    prompt_tokens: int, profile: Profile = LLAMA_70B_TP4_H100, ttft_s: float = TTFT_SLO_S
+) -> bool:
+    """Could this prompt meet the TTFT SLO at all on this hardware model: its lone prefill
+    (no queue, no batch alongside) on the (real, not coarse-grained) ``profile`` takes under
+    ``ttft_s``. The reserved class's promise (docs/operations.md, "Capacity") is both SLOs on
+    99.9 % of the requests for which this holds."""
+    return profile.prefill_seconds(prompt_tokens) < ttft_s
 
 
 @dataclass(slots=True)

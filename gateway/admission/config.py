@@ -135,6 +135,9 @@ class AdmissionConfig:
     # the designated replicas and short traffic keeps off them while it has room.
     count_request_kv: bool = True
     context_placement: bool = True
+    # With context placement: short reserved traffic keeps off every designated replica
+    # (hosting a long context yet or not) while it has room elsewhere.
+    reserved_off_long_replicas: bool = True
     # The long-context budget: the share of a version's shared replicas that long contexts
     # may occupy (their KV up to the class ceiling), and how many long prefills one replica
     # runs at once (vLLM's --max-long-partial-prefills, default 1).

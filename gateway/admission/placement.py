@@ -13,7 +13,12 @@ cache hit, say) cannot quietly bypass an older one:
 - **bands** (multiples of ``BAND``): a preference no fractional term can override.
   Floor traffic: the reserved pool first. Long-context requests: the lowest-ranked
   designated replica with room (packing: as few replicas as the ceilings allow). Short
-  requests: replicas that host no long context first.
+  requests: replicas that host no long context first; short reserved requests also keep
+  off the designated replicas that host none yet (``reserved_off_long_replicas``): a
+  request decodes for tens of seconds, packing may start on its replica at any moment of
+  them, and the long prefills it stacks there stretch every step the request decodes in
+  (bench/results/fleet_sim_reserved.md: 16 of the 17 feasible reserved requests that
+  shared a replica with long prefills missed TPOT, at 100–300 ms).
 - **within a band** (|term| < ``BAND`` / 2): the load (scraped occupancy plus this
   process's optimistic in-flight KV) — the emptier the better — plus the affinity term:
   the prefill time the replica would save because it already holds the request's leading
@@ -203,6 +208,12 @@ def net_affinity(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig)
     return max(0.0, gain - queue_term(view, req, cfg))
 
 
+def designated(view: ReplicaView) -> bool:
+    """A shared replica long contexts may be packed onto (``long_context_order``'s first
+    ``long_designated``), hosting one now or not."""
+    return view.pool != "reserved" and 0 <= view.long_rank < view.long_designated
+
+
 def score(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig) -> float | None:
     """How much ``req`` should go to ``view``: None = not at all; higher is better."""
     capacity = cfg.enforces("capacity")
@@ -218,8 +229,14 @@ def score(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig) -> flo
             if view.long_rank < 0 or view.long_rank >= view.long_designated:
                 return None  # not a long-context replica: the budget's replicas only
             band -= view.long_rank  # pack: the lowest-ranked one with room
-        elif view.hosts_long:
-            band -= 1  # short traffic keeps off long contexts while it has room elsewhere
+        else:
+            # Short traffic keeps off long contexts while it has room elsewhere; reserved
+            # short traffic also off the designated replicas hosting none yet (module doc).
+            wary = req.cls == "reserved" and cfg.reserved_off_long_replicas
+            if view.hosts_long:
+                band -= 2 if wary else 1
+            elif wary and designated(view):
+                band -= 1
     term = -view.load(cfg.optimistic_inflight) + net_affinity(view, req, cfg)
     return band * BAND + in_band(term)
 

@@ -140,6 +140,52 @@ def test_short_traffic_keeps_off_long_context_replicas_while_it_has_room(
         assert pick is not None and not pick.hosts_long
 
 
+def _designated(v: ReplicaView) -> bool:
+    return v.pool == "shared" and 0 <= v.long_rank < v.long_designated
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleets(), st.integers(0, CAP // 100), st.integers(0, 2**32))
+def test_reserved_short_traffic_keeps_off_every_designated_replica_while_it_has_room(
+    views: list[ReplicaView], kv: int, seed: int
+) -> None:
+    """A designated replica that hosts no long context now may host a stack of them within
+    a reserved request's decode: reserved short traffic takes a replica that is neither
+    designated nor hosting when one is eligible (the reserved pool first, as ever)."""
+    req = PlacementRequest("reserved", kv)
+    pick = choose(views, req, CFG, random.Random(seed))
+    if any(v.pool == "reserved" and allowed(v, req) for v in views):
+        return  # the pool first (test_reserved_floor_traffic_uses_the_pool_first)
+    clear = [v for v in views if allowed(v, req) and not _designated(v) and not v.hosts_long]
+    if clear:
+        assert pick is not None and not _designated(pick) and not pick.hosts_long
+    # ...and among designated ones, one that hosts nothing before one that does
+    idle = [v for v in views if allowed(v, req) and not v.hosts_long]
+    if idle:
+        assert pick is not None and not pick.hosts_long
+    off = choose(views, req, replace(CFG, reserved_off_long_replicas=False), random.Random(seed))
+    if idle:  # without the rule: as other short traffic, off the hosting replicas only
+        assert off is not None and not off.hosts_long
+
+
+def test_only_reserved_traffic_keeps_off_an_idle_designated_replica() -> None:
+    """The emptier replica is designated (hosting nothing): standard traffic takes it, as
+    before; reserved traffic takes the other one, unless the rule is off."""
+    views = [
+        ReplicaView("d", "shared", 0.1, 0, CAP, long_rank=0, long_designated=1),
+        ReplicaView("n", "shared", 0.5, 0, CAP, long_rank=1, long_designated=1),
+    ]
+    for seed in range(20):
+        rng = random.Random(seed)
+        assert choose(views, PlacementRequest("standard", 1000), CFG, rng) is views[0]
+        assert choose(views, PlacementRequest("reserved", 1000), CFG, rng) is views[1]
+        off = replace(CFG, reserved_off_long_replicas=False)
+        assert choose(views, PlacementRequest("reserved", 1000), off, rng) is views[0]
+        # a long context still goes to the designated one, whatever its class
+        long_req = PlacementRequest("reserved", 1000, long_context=True)
+        assert choose(views, long_req, CFG, rng) is views[0]
+
+
 def test_the_request_own_kv_counts_against_the_ceiling() -> None:
     v = ReplicaView("a", "shared", 0.50, 0, CAP)
     assert score(v, PlacementRequest("standard", CAP // 10), CFG) is not None  # 0.60

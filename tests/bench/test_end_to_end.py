@@ -58,8 +58,25 @@ def test_fleet_sim_isolation_quick(tmp_path: Path) -> None:
     # the sizing bisection: both policies probed at the top of the range first
     assert "| old (P2C + in-flight) | 16 |" in report and "| new (isolation) | 16 |" in report
     assert "- **old (P2C + in-flight): " in report and "- **new (isolation): " in report
+    assert "## Reserved class" in report
+    assert "| old (P2C + in-flight) (sizing probe) | 16 |" in report
     # each heavy tenant's row, with its own offered rate
     assert "| heavy-1 | 0.5 |" in report and "| heavy-2 | 1 |" in report
+
+
+def test_fleet_sim_isolation_reserved_arms(tmp_path: Path) -> None:
+    """The reserved report's arms: the run drained, the new policy also on replicas with the
+    platform's chunk cap and with a reserved pool, in a report of its own name."""
+    argv = ["--quick", "--isolation", "--workers", "1", "--out", str(tmp_path), "--drain", "10"]
+    argv += ["--chunk-cap", "5242", "--reserved-pools", "2", "--report", "reserved.md"]
+    argv += ["--reserved-rule-off"]
+    assert fleet_sim.main(argv) == 0
+    report = (tmp_path / "reserved.md").read_text()
+    assert not (tmp_path / "fleet_sim_isolation.md").exists()
+    assert "| new, chunk cap 5,242, 4 heavy tenants | 6 | 5,242 |" in report
+    assert "| new, reserved pool 2, chunk cap 5,242, 4 heavy tenants | 6 (2) | 5,242 |" in report
+    assert "goes on 10 model-s past its end" in report
+    assert "| new, reserved on idle designated replicas, 4 heavy tenants | 6 |" in report
 
 
 def test_fleet_sim_quick(tmp_path: Path) -> None:
