@@ -168,6 +168,34 @@ def test_reserved_short_traffic_keeps_off_every_designated_replica_while_it_has_
         assert off is not None and not off.hosts_long
 
 
+@settings(max_examples=300, deadline=None)
+@given(fleets(), st.integers(0, CAP // 4), st.integers(0, CAP // 4), st.integers(0, 2**32))
+def test_reserved_long_contexts_take_the_pool_only_when_no_designated_replica_has_room(
+    views: list[ReplicaView], kv: int, growth: int, seed: int
+) -> None:
+    """A reserved long context packs onto the designated shared replicas as any other long
+    context; the reserved pool is its last resort (R2: refused only when no replica
+    qualifies). With the rule off, the pool first, as before."""
+    req = PlacementRequest("reserved", kv, long_context=True, growth_bytes=growth)
+    pick = choose(views, req, CFG, random.Random(seed))
+    shared_ok = [v for v in views if v.pool == "shared" and allowed(v, req)]
+    pool_ok = [v for v in views if v.pool == "reserved" and allowed(v, req)]
+    if shared_ok:
+        assert pick is not None and pick.pool == "shared"
+        assert pick.long_rank == min(v.long_rank for v in shared_ok)
+    elif pool_ok:
+        assert pick is not None and pick.pool == "reserved"
+    else:
+        assert pick is None
+    before = choose(views, req, replace(CFG, reserved_long_off_pool=False), random.Random(seed))
+    if pool_ok:
+        assert before is not None and before.pool == "reserved"
+    # short floor traffic still takes the pool first either way
+    short = choose(views, replace(req, long_context=False), CFG, random.Random(seed))
+    if any(v.pool == "reserved" and allowed(v, replace(req, long_context=False)) for v in views):
+        assert short is not None and short.pool == "reserved"
+
+
 def test_only_reserved_traffic_keeps_off_an_idle_designated_replica() -> None:
     """The emptier replica is designated (hosting nothing): standard traffic takes it, as
     before; reserved traffic takes the other one, unless the rule is off."""
