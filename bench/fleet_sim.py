@@ -1797,6 +1797,14 @@ def main(argv: list[str] | None = None) -> int:
         "(reserved long contexts in the pool first, the placement before it)",
     )
     ap.add_argument(
+        "--skip-arm",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="isolation runs: leave out the heavy-tenant arms whose label contains TEXT "
+        "(repeatable), to fit a run in the time at hand",
+    )
+    ap.add_argument(
         "--report",
         default="fleet_sim_isolation.md",
         help="file name of the isolation report under --out",
@@ -1840,6 +1848,9 @@ def main(argv: list[str] | None = None) -> int:
             reserved_rule_off=args.reserved_rule_off,
             reserved_long_rule_off=args.reserved_long_rule_off,
         )  # fmt: skip
+        exps = {k: v for k, v in exps.items() if not any(t in k for t in args.skip_arm)}
+        if not exps:
+            ap.error("--skip-arm left no arm to run")
         res = run_all(exps, workers=args.workers)
         load += ", at the end " + _loadavg()
         path = write_isolation_report(res, scale, command, args.out, probes, load, args.report)
