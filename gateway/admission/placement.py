@@ -91,9 +91,9 @@ on each process's own in-flight loads spilled a turn in one process and not in a
 as P2C does: its conversation's replica and the next in its system prompt's order, the
 conversation's replica unless the other scores higher by more than the request's own share of
 a replica; and a turn whose previous turn this process placed follows it (``latest_replica``:
-that replica holds the whole history). With ``affinity_conversation_shared`` off (before), only a conversation no
-candidate holds the key's block of is placed so (within the bound on this process's loads);
-one this process placed is followed as above.
+that replica holds the whole history). With ``affinity_conversation_shared`` off (before),
+only a conversation no candidate holds the key's block of is placed so (within the bound on
+this process's loads); one this process placed is followed as above.
 """
 
 from __future__ import annotations
