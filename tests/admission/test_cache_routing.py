@@ -558,8 +558,11 @@ def test_strategy_knobs_from_env() -> None:
             "GATEWAY_ADMISSION_AFFINITY_TENANT_REPLICAS": "4",
             "GATEWAY_ADMISSION_AFFINITY_CONVERSATION_SHARED": "0",
             "GATEWAY_ADMISSION_AFFINITY_CONVERSATION_MARGIN": "0.3",
+            "GATEWAY_ADMISSION_AFFINITY_CONVERSATION_FIRST_TURNS": "0",
+            "GATEWAY_ADMISSION_AFFINITY_CONVERSATION_LATEST": "0",
         }
     )
+    assert not cfg.affinity_conversation_first_turns and not cfg.affinity_conversation_latest
     assert cfg.strategy == "cache_aware" and cfg.affinity_load_factor == 1.5
     assert cfg.affinity_tenant_replicas == 4
     assert not cfg.affinity_conversation_shared and cfg.affinity_conversation_margin == 0.3
