@@ -100,9 +100,12 @@ class Arm:
     # ``AdmissionConfig.affinity_conversation_shared``: a conversation goes where the scrape
     # says (the same in every gateway process), else (before) a process follows its own record
     conversation_shared: bool = True
-    # a conversation's first turn goes to the better of its system prompt's pair (the
-    # gateway's), else (before) to its conversation's replica as every later turn does
+    # ``affinity_conversation_first_turns``: a conversation's first turn goes to the better of
+    # two (the gateway's), else (before) to its conversation's replica as every later turn does
     first_turns: bool = True
+    # ``affinity_conversation_latest``: a turn follows the one before it when this process
+    # placed that one (the gateway's), else (before) goes to its conversation's replica
+    latest: bool = True
 
 
 @dataclass(slots=True)
@@ -145,6 +148,7 @@ class Conversation:
     history: list[int]  # tokens so far (prompt of the last turn + its reply)
     rng: random.Random
     first_user: tuple[int, int] | None = None  # its first user message's (start, end)
+    replies: int = 0  # the model's replies in the history (the assistant turns resent)
 
 
 def event_maps(events: list[KVEvent]) -> list[dict[str, object]]:
@@ -186,6 +190,8 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
         # events feed the index
         affinity_rendezvous=not arm.kv_events,
         affinity_conversation_shared=arm.conversation_shared,
+        affinity_conversation_first_turns=arm.first_turns,
+        affinity_conversation_latest=arm.latest,
     )
     out = Result(arm)
     ceiling = acfg.standard_max_occupancy
@@ -279,6 +285,7 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
                 out.ttft_by_tenant.setdefault(tenant, []).append(req.ttft)
         if conv is not None and conv.turn < cfg.turns:
             conv.history = list(req.token_ids)  # prompt + the reply, as the client resends it
+            conv.replies += 1
             push(req.finish_time + conv.rng.expovariate(1.0 / cfg.think_s), "turn", conv)
 
     def dispatch(t_at: float, tenant: int, tokens: list[int], conv: Conversation | None) -> None:
@@ -289,19 +296,13 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
         query: PrefixQuery | None = None
         if arm.strategy == "cache_aware":
             first = conv.first_user if conv is not None and arm.conversation_key else None
-            # an earlier turn's prompt and reply are in the history (a refused turn's are not)
-            continues = not arm.first_turns or (
-                conv is not None
-                and conv.first_user is not None
-                and len(conv.history) > conv.first_user[0]
-            )
             query = query_from_tokens(
                 f"t{tenant}",
                 tokens,
                 salt(tenant),
                 profile.block_size,
                 first_user=first,
-                continues=continues,
+                turns=conv.replies if conv is not None else 0,
             )
         if arm.strategy == "pinned":
             replica: schema.ReplicaRecord | None = records[tenant % n]
@@ -367,10 +368,11 @@ def before_after(
     conversation_key: bool = True,
     shared: bool = True,
     first_turns: bool = True,
+    latest: bool = True,
 ) -> tuple[Arm, ...]:
     """1 gateway, 4 gateways, 4 gateways + KV events: each with a rule as before (the
-    ``conversation_key``, ``shared`` or ``first_turns`` given) and as now, then perfect
-    affinity."""
+    ``conversation_key``, ``shared``, ``first_turns`` or ``latest`` given) and as now, then
+    perfect affinity."""
     arms: list[Arm] = []
     for label, gateways, events in (
         (one, 1, False),
@@ -383,6 +385,7 @@ def before_after(
             conversation_key=conversation_key,
             conversation_shared=shared,
             first_turns=first_turns,
+            latest=latest,
         )
         arms += [replace(old, label=f"{label}, {before} (before)"), now]
     return (*arms, Arm("perfect affinity (tenant pinned)", "pinned"))
@@ -396,8 +399,15 @@ KEY_ARMS = before_after("cache-aware", "key at block 3", "conversation key", con
 SHARED_ARMS = before_after("1 gateway", "own record", "shared placement", shared=False)
 # ``--first-arms``: a first turn to the better of its pair against its conversation's replica
 FIRST_ARMS = before_after(
-    "1 gateway", "first turn at its replica", "first turn better of two", first_turns=False
+    "1 gateway",
+    "first turn at its replica",
+    "first turn better of two",
+    first_turns=False,
+    latest=False,
 )
+# ``--latest-arms``: a turn follows the one before it when this process placed that one,
+# against going to its conversation's replica (both with first turns the better of two)
+LATEST_ARMS = before_after("1 gateway", "conversation's replica", "latest turn", latest=False)
 
 
 def table(runs: list[tuple[SimConfig, list[Result]]]) -> list[str]:
@@ -500,6 +510,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a conversation's first turn to the better of its pair against its conversation's "
         "replica, 1 and 4 gateways (no churn, no hashing cost)",
     )
+    ap.add_argument(
+        "--latest-arms",
+        action="store_true",
+        help="a turn following the one before it when this process placed that one against "
+        "its conversation's replica, 1 and 4 gateways (no churn, no hashing cost)",
+    )
     ap.add_argument("--seed", type=int, default=None, help="the workload's and routers' seed")
     ap.add_argument("--system-tokens", type=int, default=None, help="each tenant's system prompt")
     ap.add_argument("--out", default=str(RESULTS / "prefix_routing.md"))
@@ -528,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.shared_arms
             else FIRST_ARMS
             if args.first_arms
+            else LATEST_ARMS
+            if args.latest_arms
             else ARMS
         )
         for arm in arms:
@@ -562,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         *table(runs),
         "",
     ]
-    if args.key_arms or args.shared_arms or args.first_arms:
+    if args.key_arms or args.shared_arms or args.first_arms or args.latest_arms:
         Path(args.out).write_text("\n".join(lines))
         print("\n".join(lines))
         return 0

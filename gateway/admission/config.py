@@ -98,6 +98,13 @@ class AdmissionConfig:
     # placed follows its own record, and the bound counts this process's in-flight KV.
     affinity_conversation_shared: bool = True
     affinity_conversation_margin: float = 0.20
+    # With affinity_conversation_shared: a conversation's first turn takes the better of two
+    # (its conversation's replica on a tie), else (off, before) its conversation's replica;
+    # and a later turn goes where this process sent the turn just before it, if it did (that
+    # replica holds the whole history), within the bound plus the margin, else (off, before)
+    # to its conversation's replica (``placement._place_conversation``).
+    affinity_conversation_first_turns: bool = True
+    affinity_conversation_latest: bool = True
     # docs/design.md R6: retry budget over a sliding minute.
     retry_budget_ratio: float = 0.20
     retry_budget_min_admitted: int = 20

@@ -94,9 +94,10 @@ on each process's own in-flight loads spilled a turn in one process and not in a
 (bench/results/conversation_key.md). A conversation's first turn takes the better of two,
 as P2C does: its conversation's replica and the next in its system prompt's order, the
 conversation's replica unless the other scores higher by more than the request's own share of
-a replica. With ``affinity_conversation_shared`` off (before), only a conversation no
-candidate holds the key's block of is placed so (within the bound on this process's loads);
-one this process placed is followed as above.
+a replica; and a turn whose previous turn this process placed follows it (``latest_replica``:
+that replica holds the whole history). With ``affinity_conversation_shared`` off (before),
+only a conversation no candidate holds the key's block of is placed so (within the bound on
+this process's loads); one this process placed is followed as above.
 """
 
 from __future__ import annotations
@@ -378,7 +379,9 @@ def _place_conversation(
     A first turn (``PrefixTerms.continues`` false) takes the better of two by score: that
     replica (within the bound plus the margin) and the next candidate within the bound in
     the shared prefix's order; that replica on a tie within the request's own share of a
-    replica. What follows is for the turns after it.
+    replica. A later turn whose previous turn this process placed goes where that one went
+    (``PrefixTerms.latest_replica``) while it is within the bound plus the margin. What
+    follows is for the other turns.
 
     ``affinity_conversation_shared`` (the default): that replica while its scraped occupancy
     is at most the load bound on the candidates' scraped occupancy plus
@@ -420,7 +423,7 @@ def _place_conversation(
     order = rendezvous_order(prefix.shared_key, views or [v for _, v in cands])
     home = rendezvous_order(prefix.placement_key, order[:2])[0]
     by_id = {v.replica_id: v for _, v in cands}
-    if not prefix.continues:
+    if not prefix.continues and cfg.affinity_conversation_first_turns:
         # A first turn: nothing of the conversation is cached yet and a second turn may
         # never come (most API traffic is one turn), so it takes the better of two as P2C
         # does: the conversation's replica (within the bound plus the margin, as a later
@@ -444,6 +447,15 @@ def _place_conversation(
         slack = req.kv_bytes / first.capacity_bytes if first.capacity_bytes else 0.0
         second = rest[0]
         return first if scores[first.replica_id] + slack >= scores[second.replica_id] else second
+    latest = by_id.get(prefix.latest_replica) if cfg.affinity_conversation_latest else None
+    if (
+        latest is not None
+        and scraped[latest.replica_id] <= bound + cfg.affinity_conversation_margin
+    ):
+        # This process sent the turn just before this one there: it holds the whole history
+        # (no other process can have placed a turn since), wherever the first turn's choice
+        # of two or a spill put it (bench/results/conversation_key.md, "The latest turn").
+        return latest
     home_load = scraped.get(home.replica_id, math.inf)
     if home_load <= bound + cfg.affinity_conversation_margin:
         held = by_id[home.replica_id].cache_hit_tokens

@@ -99,7 +99,7 @@ class PrefixQuery:
         "_resume",
         "key_tokens",
         "shared_key",
-        "continues",
+        "turns",
     )
 
     def __init__(
@@ -115,18 +115,18 @@ class PrefixQuery:
         cap: int = 0,
         first_user: tuple[int, int | None] | None = None,
         resume: tuple[int, int] = (0, 0),
-        continues: bool = False,
+        turns: int = 0,
     ) -> None:
         """``tokens``: the prompt's token ids; with ``messages``, only the first ones of
         those messages' prompt, whose first ``cap`` tokens are the whole query (``resume``:
         the first ``resume[1]`` of ``tokens`` are those of ``messages[:resume[0]]`` whole,
         and tokenizing the rest starts there). ``first_user``: where the first user
         message's content starts in the prompt and where that message ends (None: past the
-        tokens known), for the conversation key (``conversation_block``). ``continues``: the
-        prompt goes on a conversation (it holds an assistant turn), so an earlier turn may
-        be cached where its conversation key places it (``placement._place_conversation``)."""
+        tokens known), for the conversation key (``conversation_block``). ``turns``: the
+        assistant turns the prompt holds (``assistant_turns``): 0 for a conversation's first
+        turn, which nothing has cached yet (``placement._place_conversation``)."""
         self.tenant_id = tenant_id
-        self.continues = continues
+        self.turns = turns
         self.block_size = block_size
         self._messages = messages
         self._cap = cap
@@ -398,7 +398,7 @@ def make_query(
         cap=cap,
         first_user=first_user,
         resume=resume,
-        continues=continues_conversation(messages),
+        turns=assistant_turns(messages),
     )
 
 
@@ -410,12 +410,12 @@ def query_from_tokens(
     hint: str | None = None,
     hasher: BlockHasher = EMULATOR_HASHER,
     first_user: tuple[int, int | None] | None = None,
-    continues: bool = False,
+    turns: int = 0,
 ) -> PrefixQuery:
     """The query of a prompt already tokenized (all of ``tokens``); ``first_user``: where
     its first user message's content starts and where that message ends, when known (the
-    conversation key, ``conversation_block``); ``continues``: as ``PrefixQuery``'s
-    (``continues_conversation`` of the messages)."""
+    conversation key, ``conversation_block``); ``turns``: as ``PrefixQuery``'s
+    (``assistant_turns`` of the messages)."""
     return PrefixQuery(
         tenant_id,
         block_size,
@@ -424,15 +424,15 @@ def query_from_tokens(
         hasher=hasher,
         hint=hint,
         first_user=first_user,
-        continues=continues,
+        turns=turns,
     )
 
 
-def continues_conversation(messages: Sequence[Mapping[str, object]]) -> bool:
-    """Whether a chat prompt goes on a conversation: some assistant turn precedes its last
-    message. A first turn (a system prompt and a user message, however long) has no earlier
-    turn cached anywhere, and may never have a second one."""
-    return any(m.get("role") == "assistant" for m in messages)
+def assistant_turns(messages: Sequence[Mapping[str, object]]) -> int:
+    """How many assistant turns a chat prompt holds: 0 for a conversation's first turn (a
+    system prompt and a user message, however long: no earlier turn is cached anywhere, and
+    there may never be a second), n for its (n+1)th."""
+    return sum(1 for m in messages if m.get("role") == "assistant")
 
 
 class PrefixIndex:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -52,6 +53,11 @@ from gateway.admission.placement import choose as place
 from gateway.admission.prefix import PrefixIndex, PrefixQuery
 from gateway.admission.replicas import ReplicaState
 from gateway.admission.routing import PrefixTerms, ReplicaView, replica_key
+
+# Conversations whose last turn's replica a process remembers (``Router._latest``): ~100
+# bytes each; a conversation idle past this many others' turns goes to its conversation's
+# replica, as it would through another process.
+LATEST_CONVERSATIONS = 65_536
 
 
 def route(
@@ -123,6 +129,9 @@ class Router:
         # prefill as this process sees it; and the last choice's expected hit.
         self._queued: dict[str, dict[str, int]] = {}
         self._last_hit: tuple[PrefixQuery, str, int] | None = None
+        # Cache-aware routing: conversation key -> (its assistant turns, the replica) of the
+        # last turn this process dispatched, least recently dispatched first; bounded
+        self._latest: OrderedDict[int, tuple[int, str]] = OrderedDict()
 
     @property
     def config(self) -> AdmissionConfig:
@@ -255,6 +264,12 @@ class Router:
         views = self.views(version, prefix if aware else None)
         terms = None
         if prefix is not None and aware and views:
+            latest = ""
+            if prefix.key_tokens and prefix.turns:
+                # the turn just before this one went through this process: where it went
+                last = self._latest.get(prefix.placement_key)
+                if last is not None and last[0] == prefix.turns - 1:
+                    latest = last[1]
             terms = PrefixTerms(
                 prefix.placement_key,
                 replica_key(prefix.tenant_id),
@@ -262,7 +277,8 @@ class Router:
                 hinted=prefix.hinted,
                 key_tokens=prefix.key_tokens,
                 shared_key=prefix.shared_key,
-                continues=prefix.continues,
+                continues=prefix.turns > 0,
+                latest_replica=latest,
             )
         pick = route(
             views,
@@ -308,6 +324,11 @@ class Router:
             # (deferring this cost ~3 points of cached share in bench.prefix_gateway).
             rid = replica.replica_id
             self.index.record(rid, prefix.block_hashes)
+            if prefix.key_tokens:
+                self._latest[prefix.placement_key] = (prefix.turns, rid)
+                self._latest.move_to_end(prefix.placement_key)
+                if len(self._latest) > LATEST_CONVERSATIONS:
+                    self._latest.popitem(last=False)
             hit = 0
             last = self._last_hit
             if last is not None and last[0] is prefix and last[1] == rid:

@@ -128,5 +128,8 @@ class PrefixTerms:
     # conversations (the system prompt's), whose rendezvous pair the conversation goes to
     shared_key: int = 0
     # the prompt goes on a conversation (an assistant turn precedes it): its earlier turns
-    # are where its conversation key places it; a first turn goes to the less loaded of the pair
+    # are where its conversation key places it; a first turn goes to the better of two
     continues: bool = False
+    # the replica this process sent the conversation's previous turn to ("" if it did not):
+    # that replica holds the whole history, whichever process placed the turns before
+    latest_replica: str = ""

@@ -10,7 +10,7 @@ from gateway.admission.chat_template import TemplateCounter, TemplateRenderError
 from gateway.admission.prefix import (
     PLACEMENT_BLOCK,
     PrefixQuery,
-    continues_conversation,
+    assistant_turns,
     make_query,
     query_from_tokens,
 )
@@ -84,7 +84,7 @@ class ChatCompletions(PipelineEndpoint):
                 req.cache_hint,
                 hasher,
                 req.first_user,
-                continues_conversation(req.messages),
+                assistant_turns(req.messages),
             )
         return make_query(
             tenant_id,

@@ -341,25 +341,28 @@ def test_gateway_processes_blind_to_each_other_send_a_conversations_turns_to_one
     assert len(homes) == 2 and min(homes.values()) >= 5
 
 
-def _conversation(n: int) -> tuple[PrefixQuery, PrefixQuery]:
-    """A conversation's first two turns over a tenant's long system prompt."""
+def _conversation(n: int, turns: int = 2) -> tuple[PrefixQuery, PrefixQuery]:
+    """A conversation's first turn and its ``turns``th, over a tenant's long system prompt."""
     salt = "s" * 64
     system = {"role": "system", "content": " ".join(f"sys{i}" for i in range(400))}
     first = [system, {"role": "user", "content": f"question {n} " * 20}]
-    second = [*first, {"role": "assistant", "content": "answer " * 30}]
-    second.append({"role": "user", "content": f"and then {n} " * 10})
-    return make_query("t", first, salt, 16), make_query("t", second, salt, 16)
+    later = first
+    for k in range(1, turns):
+        later = [*later, {"role": "assistant", "content": f"answer {k} " * 30}]
+        later.append({"role": "user", "content": f"and then {n} {k} " * 10})
+    return make_query("t", first, salt, 16), make_query("t", later, salt, 16)
 
 
 def test_a_process_does_not_follow_its_stale_record_of_a_conversation() -> None:
-    """A process that placed an earlier turn of a conversation elsewhere (a spill) sends its
-    next turn to the conversation's replica, as a process that never saw it does (the turns
-    between went there through the other processes); before, it followed its own record."""
+    """A process that placed an earlier turn of a conversation elsewhere (a spill) sends a
+    later turn, not the next, to the conversation's replica, as a process that never saw it
+    does (the turn between went there through another process); before, it followed its own
+    record."""
     reg = Registry(6)
     reg.scrape(0.9, **{f"r{i}": 0.1 for i in range(6)})
     old_cfg = replace(CFG, affinity_conversation_shared=False)
     for n in range(10):
-        q1, q2 = _conversation(n)
+        q1, q2 = _conversation(n, turns=3)
         blind = Router(reg, random.Random(1), config=CFG, clock=lambda: 1.0)
         home = blind.choose(VERSION, "standard", 1000, prefix=q1)
         assert home is not None
@@ -461,13 +464,48 @@ def test_a_first_turn_is_never_placed_above_the_less_loaded_of_its_two(
         assert choose(views, later, CFG, random.Random(0)) == home
 
 
-def test_a_process_that_saw_a_conversation_spill_keeps_it_there_until_under_the_bound() -> None:
-    """Hysteresis: between the bound and the bound plus the margin, a process that placed the
-    conversation's last turn on another replica (a spill) keeps it there; a process that did
-    not see it goes to the conversation's replica; under the bound both do."""
+def test_a_turn_follows_the_one_before_it_when_this_process_placed_that_one() -> None:
+    """A first turn that went to the other replica of the pair (its conversation's replica
+    was busier): the process that placed it sends the second turn after it, where the whole
+    history is; a process that did not goes to the conversation's replica, as every process
+    does with the rule off. A turn whose previous turn this process did not place (it saw an
+    older one) does not follow its record."""
     reg = Registry(6)
+    no_latest = replace(CFG, affinity_conversation_latest=False)
     for n in range(10):
         q1, q2 = _conversation(n)
+        assert (q1.turns, q2.turns) == (0, 1)
+        reg.scrape(1.0, **{f"r{i}": 0.1 for i in range(6)})
+        placed, blind, off = (
+            Router(reg, random.Random(n), config=cfg, clock=lambda: 2.0)
+            for cfg in (CFG, CFG, no_latest)
+        )
+        home = blind.choose(VERSION, "standard", 1000, prefix=q2)
+        assert home is not None
+        reg.scrape(1.0, **{home.replica_id: 0.3})  # busier: the first turn goes elsewhere
+        first = placed.choose(VERSION, "standard", 1000, prefix=q1)
+        assert first is not None and first != home
+        for router in (placed, off):
+            router.on_dispatch(first, f"c{n}-1", 1000, prefix=q1)
+            router.on_finish(first, f"c{n}-1")
+        reg.scrape(1.0, **{f"r{i}": 0.1 for i in range(6)})
+        assert placed.choose(VERSION, "standard", 1000, prefix=q2) == first
+        assert blind.choose(VERSION, "standard", 1000, prefix=q2) == home
+        assert off.choose(VERSION, "standard", 1000, prefix=q2) == home
+        # the third turn, when the second went through another process: no record of it here
+        _, q3 = _conversation(n, turns=3)
+        assert q3.turns == 2
+        assert placed.choose(VERSION, "standard", 1000, prefix=q3) == home
+
+
+def test_a_process_that_saw_a_conversation_spill_keeps_it_there_until_under_the_bound() -> None:
+    """Hysteresis: between the bound and the bound plus the margin, a process that placed an
+    earlier turn of the conversation on another replica (a spill) keeps it there; a process
+    that did not see it goes to the conversation's replica; under the bound both do (for the
+    turn right after the spill, the process that placed it follows it: the test above)."""
+    reg = Registry(6)
+    for n in range(10):
+        q1, q2 = _conversation(n, turns=3)
         reg.scrape(1.0, **{f"r{i}": 0.1 for i in range(6)})
         blind = Router(reg, random.Random(1), config=CFG, clock=lambda: 2.0)
         saw = Router(reg, random.Random(2), config=CFG, clock=lambda: 2.0)
@@ -520,8 +558,11 @@ def test_strategy_knobs_from_env() -> None:
             "GATEWAY_ADMISSION_AFFINITY_TENANT_REPLICAS": "4",
             "GATEWAY_ADMISSION_AFFINITY_CONVERSATION_SHARED": "0",
             "GATEWAY_ADMISSION_AFFINITY_CONVERSATION_MARGIN": "0.3",
+            "GATEWAY_ADMISSION_AFFINITY_CONVERSATION_FIRST_TURNS": "0",
+            "GATEWAY_ADMISSION_AFFINITY_CONVERSATION_LATEST": "0",
         }
     )
+    assert not cfg.affinity_conversation_first_turns and not cfg.affinity_conversation_latest
     assert cfg.strategy == "cache_aware" and cfg.affinity_load_factor == 1.5
     assert cfg.affinity_tenant_replicas == 4
     assert not cfg.affinity_conversation_shared and cfg.affinity_conversation_margin == 0.3
