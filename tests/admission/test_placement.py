@@ -294,3 +294,9 @@ def test_thresholds_follow_the_replica_profile() -> None:
     kv, slots = long_context.long_context_budget(v, 8, "standard", CFG)
     assert slots == 2 and kv == int(2 * 560_000 * 327_680 * 0.85)
     assert long_context.long_context_budget(v, 1, "standard", CFG)[1] == 1  # a lone replica
+
+
+def test_reserved_long_off_pool_knob_from_env() -> None:
+    assert AdmissionConfig.from_env({}).reserved_long_off_pool
+    env = {"GATEWAY_ADMISSION_RESERVED_LONG_OFF_POOL": "0"}
+    assert not AdmissionConfig.from_env(env).reserved_long_off_pool
