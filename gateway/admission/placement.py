@@ -23,6 +23,8 @@ cache hit, say) cannot quietly bypass an older one:
   pool only when none of them has room: in the pool first, its 128k prefill queued the short
   floor requests behind it for 1–2.7 s (bench/results/fleet_sim_reserved.md); the pool stays
   its last resort, so R2's floor promise (refused only when no replica qualifies) holds.
+  Its cost: there it queues with other tenants' long prompts (with heavy tenants, first
+  tokens after ~26 s instead of ~2 s; bench/results/fleet_sim_reserved_pool.md).
 - **within a band** (|term| < ``BAND`` / 2): the load (scraped occupancy plus this
   process's optimistic in-flight KV) — the emptier the better — plus the affinity term:
   the prefill time the replica would save because it already holds the request's leading
