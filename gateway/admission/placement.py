@@ -19,8 +19,9 @@ cache hit, say) cannot quietly bypass an older one:
   them, and the long prefills it stacks there stretch every step the request decodes in
   (bench/results/fleet_sim_reserved.md: 16 of the 17 feasible reserved requests that
   shared a replica with long prefills missed TPOT, at 100–300 ms). A reserved long context
-  (``reserved_long_off_pool``) takes the designated shared replicas first and the reserved
-  pool only when none of them has room: in the pool first, its 128k prefill queued the short
+  takes the reserved pool first, as other floor traffic; with ``reserved_long_off_pool``
+  (off by default) the designated shared replicas first and the reserved pool only when
+  none of them has room: in the pool first, its 128k prefill queued the short
   floor requests behind it for 1–2.7 s (bench/results/fleet_sim_reserved.md); the pool stays
   its last resort, so R2's floor promise (refused only when no replica qualifies) holds.
   Its cost: there it queues with other tenants' long prompts (with heavy tenants, first

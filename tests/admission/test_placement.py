@@ -173,11 +173,11 @@ def test_reserved_short_traffic_keeps_off_every_designated_replica_while_it_has_
 def test_reserved_long_contexts_take_the_pool_only_when_no_designated_replica_has_room(
     views: list[ReplicaView], kv: int, growth: int, seed: int
 ) -> None:
-    """A reserved long context packs onto the designated shared replicas as any other long
-    context; the reserved pool is its last resort (R2: refused only when no replica
-    qualifies). With the rule off, the pool first, as before."""
+    """With ``reserved_long_off_pool`` (off by default), a reserved long context packs onto
+    the designated shared replicas as any other long context; the reserved pool is its last
+    resort (R2: refused only when no replica qualifies). With the rule off, the pool first."""
     req = PlacementRequest("reserved", kv, long_context=True, growth_bytes=growth)
-    pick = choose(views, req, CFG, random.Random(seed))
+    pick = choose(views, req, replace(CFG, reserved_long_off_pool=True), random.Random(seed))
     shared_ok = [v for v in views if v.pool == "shared" and allowed(v, req)]
     pool_ok = [v for v in views if v.pool == "reserved" and allowed(v, req)]
     if shared_ok:
@@ -187,7 +187,7 @@ def test_reserved_long_contexts_take_the_pool_only_when_no_designated_replica_ha
         assert pick is not None and pick.pool == "reserved"
     else:
         assert pick is None
-    before = choose(views, req, replace(CFG, reserved_long_off_pool=False), random.Random(seed))
+    before = choose(views, req, CFG, random.Random(seed))
     if pool_ok:
         assert before is not None and before.pool == "reserved"
     # short floor traffic still takes the pool first either way
@@ -297,6 +297,6 @@ def test_thresholds_follow_the_replica_profile() -> None:
 
 
 def test_reserved_long_off_pool_knob_from_env() -> None:
-    assert AdmissionConfig.from_env({}).reserved_long_off_pool
-    env = {"GATEWAY_ADMISSION_RESERVED_LONG_OFF_POOL": "0"}
-    assert not AdmissionConfig.from_env(env).reserved_long_off_pool
+    assert not AdmissionConfig.from_env({}).reserved_long_off_pool  # off by default
+    env = {"GATEWAY_ADMISSION_RESERVED_LONG_OFF_POOL": "1"}
+    assert AdmissionConfig.from_env(env).reserved_long_off_pool
