@@ -148,6 +148,9 @@ class FleetConfig:
     # AdmissionConfig.reserved_off_long_replicas (False: the rule before it, for the
     # before/after arm of bench/results/fleet_sim_reserved.md).
     reserved_off_long: bool = True
+    # AdmissionConfig.reserved_long_off_pool (False, the gateway's default: reserved long
+    # contexts take the pool first; bench/results/fleet_sim_reserved_pool.md).
+    reserved_long_off_pool: bool = False
 
     def admission(self) -> AdmissionConfig:
         layers = LAYERS if self.isolation else tuple(x for x in LAYERS if x != "long_context")
@@ -157,6 +160,7 @@ class FleetConfig:
             count_request_kv=self.isolation,
             context_placement=self.isolation,
             reserved_off_long_replicas=self.reserved_off_long,
+            reserved_long_off_pool=self.reserved_long_off_pool,
             layers=frozenset(layers),
         )
 
@@ -899,6 +903,7 @@ def isolation_experiments(
     chunk_cap: int = 0,
     reserved_pools: tuple[int, ...] = (),
     reserved_rule_off: bool = False,
+    reserved_long_rule_on: bool = False,
 ) -> dict[str, FleetConfig]:
     """The several-heavy-tenants variant, old policy against new in one run: ``heavy``
     standard tenants flooding 128k prompts (at ``heavy_rates``, cycled) on top of the
@@ -907,7 +912,9 @@ def isolation_experiments(
     --long-prefill-token-threshold; with ``reserved_pools``, also the new policy with a
     reserved pool of each of those sizes out of the same replicas (on such replicas when
     ``chunk_cap`` is given); with ``reserved_rule_off``, also the new policy without
-    ``reserved_off_long_replicas`` (reserved short traffic off the hosting replicas only)."""
+    ``reserved_off_long_replicas`` (reserved short traffic off the hosting replicas only);
+    with ``reserved_long_rule_on``, each pool also with ``reserved_long_off_pool``
+    (reserved long contexts on the designated shared replicas first, the pool last)."""
     base = scale.config(seed)
     if heavy_duration_s:
         base = replace(base, duration_s=heavy_duration_s, warmup_s=heavy_duration_s / 3)
@@ -927,6 +934,10 @@ def isolation_experiments(
     for k in reserved_pools:
         label = f"new, reserved pool {k}" + (f", chunk cap {chunk_cap:,}" if chunk_cap else "")
         out[f"{label}, {heavy} heavy tenants"] = replace(new, reserved_replicas=k)
+        if reserved_long_rule_on:
+            out[f"{label}, reserved long contexts off the pool, {heavy} heavy tenants"] = replace(
+                new, reserved_replicas=k, reserved_long_off_pool=True
+            )
     return out
 
 
@@ -1780,6 +1791,20 @@ def main(argv: list[str] | None = None) -> int:
         "(the placement before it)",
     )
     ap.add_argument(
+        "--reserved-long-rule-on",
+        action="store_true",
+        help="isolation runs: also run each reserved pool with reserved_long_off_pool "
+        "(reserved long contexts on the designated shared replicas first, the pool last)",
+    )
+    ap.add_argument(
+        "--skip-arm",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="isolation runs: leave out the heavy-tenant arms whose label contains TEXT "
+        "(repeatable), to fit a run in the time at hand",
+    )
+    ap.add_argument(
         "--report",
         default="fleet_sim_isolation.md",
         help="file name of the isolation report under --out",
@@ -1821,7 +1846,11 @@ def main(argv: list[str] | None = None) -> int:
             scale, args.seed, args.heavy_tenants, heavy_rates, args.heavy_duration,
             chunk_cap=args.chunk_cap, reserved_pools=pools,
             reserved_rule_off=args.reserved_rule_off,
+            reserved_long_rule_on=args.reserved_long_rule_on,
         )  # fmt: skip
+        exps = {k: v for k, v in exps.items() if not any(t in k for t in args.skip_arm)}
+        if not exps:
+            ap.error("--skip-arm left no arm to run")
         res = run_all(exps, workers=args.workers)
         load += ", at the end " + _loadavg()
         path = write_isolation_report(res, scale, command, args.out, probes, load, args.report)

@@ -145,6 +145,13 @@ class AdmissionConfig:
     # With context placement: short reserved traffic keeps off every designated replica
     # (hosting a long context yet or not) while it has room elsewhere.
     reserved_off_long_replicas: bool = True
+    # With context placement, on: a reserved long context takes the reserved pool only when
+    # no designated shared replica has room (the pool last, not first), so that short floor
+    # traffic never queues behind a long prefill in the pool. Off by default: measured, it
+    # removed 2 of 4 feasible misses (not a measurable difference at that sample) and left
+    # the class's own long contexts queued with other tenants' 128k prompts, first tokens
+    # after ~26 s instead of ~2 s (bench/results/fleet_sim_reserved_pool.md).
+    reserved_long_off_pool: bool = False
     # The long-context budget: the share of a version's shared replicas that long contexts
     # may occupy (their KV up to the class ceiling), and how many long prefills one replica
     # runs at once (vLLM's --max-long-partial-prefills, default 1).

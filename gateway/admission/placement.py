@@ -18,7 +18,14 @@ cache hit, say) cannot quietly bypass an older one:
   request decodes for tens of seconds, packing may start on its replica at any moment of
   them, and the long prefills it stacks there stretch every step the request decodes in
   (bench/results/fleet_sim_reserved.md: 16 of the 17 feasible reserved requests that
-  shared a replica with long prefills missed TPOT, at 100–300 ms).
+  shared a replica with long prefills missed TPOT, at 100–300 ms). A reserved long context
+  takes the reserved pool first, as other floor traffic; with ``reserved_long_off_pool``
+  (off by default) the designated shared replicas first and the reserved pool only when
+  none of them has room: in the pool first, its 128k prefill queued the short
+  floor requests behind it for 1–2.7 s (bench/results/fleet_sim_reserved.md); the pool stays
+  its last resort, so R2's floor promise (refused only when no replica qualifies) holds.
+  Its cost: there it queues with other tenants' long prompts (with heavy tenants, first
+  tokens after ~26 s instead of ~2 s; bench/results/fleet_sim_reserved_pool.md).
 - **within a band** (|term| < ``BAND`` / 2): the load (scraped occupancy plus this
   process's optimistic in-flight KV) — the emptier the better — plus the affinity term:
   the prefill time the replica would save because it already holds the request's leading
@@ -111,6 +118,9 @@ from gateway.admission.routing import PrefixTerms, ReplicaView, rendezvous_order
 
 BAND = 1_000_000.0  # one preference step; terms inside a band stay well under BAND / 2
 _IN_BAND = BAND / 4
+# Below every designated replica's packing band (-long_rank): where a reserved long context
+# goes only when no designated shared replica has room.
+_LAST_RESORT = -(1 << 20)
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +233,10 @@ def score(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig) -> flo
             return None
     band = 0
     if capacity and req.cls == "reserved" and view.pool == "reserved":
+        if req.long_context and cfg.context_placement and cfg.reserved_long_off_pool:
+            # A reserved long context: the designated shared replicas first, the pool only
+            # when none has room (module doc), so R2's "try another" still ends in the pool.
+            return _LAST_RESORT * BAND + in_band(-view.load(cfg.optimistic_inflight))
         # The reserved pool first, then shared replicas (docs/design.md R2: "try another").
         band += 2
     if cfg.context_placement and view.pool != "reserved":

@@ -168,6 +168,34 @@ def test_reserved_short_traffic_keeps_off_every_designated_replica_while_it_has_
         assert off is not None and not off.hosts_long
 
 
+@settings(max_examples=300, deadline=None)
+@given(fleets(), st.integers(0, CAP // 4), st.integers(0, CAP // 4), st.integers(0, 2**32))
+def test_reserved_long_contexts_take_the_pool_only_when_no_designated_replica_has_room(
+    views: list[ReplicaView], kv: int, growth: int, seed: int
+) -> None:
+    """With ``reserved_long_off_pool`` (off by default), a reserved long context packs onto
+    the designated shared replicas as any other long context; the reserved pool is its last
+    resort (R2: refused only when no replica qualifies). With the rule off, the pool first."""
+    req = PlacementRequest("reserved", kv, long_context=True, growth_bytes=growth)
+    pick = choose(views, req, replace(CFG, reserved_long_off_pool=True), random.Random(seed))
+    shared_ok = [v for v in views if v.pool == "shared" and allowed(v, req)]
+    pool_ok = [v for v in views if v.pool == "reserved" and allowed(v, req)]
+    if shared_ok:
+        assert pick is not None and pick.pool == "shared"
+        assert pick.long_rank == min(v.long_rank for v in shared_ok)
+    elif pool_ok:
+        assert pick is not None and pick.pool == "reserved"
+    else:
+        assert pick is None
+    before = choose(views, req, CFG, random.Random(seed))
+    if pool_ok:
+        assert before is not None and before.pool == "reserved"
+    # short floor traffic still takes the pool first either way
+    short = choose(views, replace(req, long_context=False), CFG, random.Random(seed))
+    if any(v.pool == "reserved" and allowed(v, replace(req, long_context=False)) for v in views):
+        assert short is not None and short.pool == "reserved"
+
+
 def test_only_reserved_traffic_keeps_off_an_idle_designated_replica() -> None:
     """The emptier replica is designated (hosting nothing): standard traffic takes it, as
     before; reserved traffic takes the other one, unless the rule is off."""
@@ -266,3 +294,9 @@ def test_thresholds_follow_the_replica_profile() -> None:
     kv, slots = long_context.long_context_budget(v, 8, "standard", CFG)
     assert slots == 2 and kv == int(2 * 560_000 * 327_680 * 0.85)
     assert long_context.long_context_budget(v, 1, "standard", CFG)[1] == 1  # a lone replica
+
+
+def test_reserved_long_off_pool_knob_from_env() -> None:
+    assert not AdmissionConfig.from_env({}).reserved_long_off_pool  # off by default
+    env = {"GATEWAY_ADMISSION_RESERVED_LONG_OFF_POOL": "1"}
+    assert AdmissionConfig.from_env(env).reserved_long_off_pool

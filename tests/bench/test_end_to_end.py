@@ -69,7 +69,7 @@ def test_fleet_sim_isolation_reserved_arms(tmp_path: Path) -> None:
     platform's chunk cap and with a reserved pool, in a report of its own name."""
     argv = ["--quick", "--isolation", "--workers", "1", "--out", str(tmp_path), "--drain", "10"]
     argv += ["--chunk-cap", "5242", "--reserved-pools", "2", "--report", "reserved.md"]
-    argv += ["--reserved-rule-off"]
+    argv += ["--reserved-rule-off", "--reserved-long-rule-on", "--skip-arm", "old ("]
     assert fleet_sim.main(argv) == 0
     report = (tmp_path / "reserved.md").read_text()
     assert not (tmp_path / "fleet_sim_isolation.md").exists()
@@ -77,6 +77,9 @@ def test_fleet_sim_isolation_reserved_arms(tmp_path: Path) -> None:
     assert "| new, reserved pool 2, chunk cap 5,242, 4 heavy tenants | 6 (2) | 5,242 |" in report
     assert "goes on 10 model-s past its end" in report
     assert "| new, reserved on idle designated replicas, 4 heavy tenants | 6 |" in report
+    rule = "new, reserved pool 2, chunk cap 5,242, reserved long contexts off the pool"
+    assert f"| {rule}, 4 heavy tenants | 6 (2) | 5,242 |" in report
+    assert "| old (P2C + in-flight), 4 heavy tenants |" not in report  # --skip-arm
 
 
 def test_fleet_sim_quick(tmp_path: Path) -> None:

@@ -147,3 +147,22 @@ def test_reserved_pool_takes_only_reserved_traffic() -> None:
     assert all(r.tenant_class == "reserved" for r in served if r.replica == 0)
     reserved = [r for r in served if r.tenant_class == "reserved"]
     assert reserved and sum(r.replica == 0 for r in reserved) > len(reserved) / 2
+
+
+def test_reserved_long_contexts_keep_out_of_the_pool_while_the_designated_have_room() -> None:
+    """Reserved traffic only, a pool of 2 of 8 replicas: with ``reserved_long_off_pool`` the
+    class's long contexts go to the designated shared replicas, without it to the pool first."""
+    cfg = FleetConfig(replicas=8, rate_rps=12.0, duration_s=60.0, warmup_s=0.0, gateways=2,
+                      isolation=True, reserved_replicas=2, class_mix=(1.0, 0.0, 0.0))  # fmt: skip
+    in_pool: dict[bool, float] = {}
+    for rule in (True, False):
+        res = FleetSim(
+            fleet_sim.replace(cfg, reserved_long_off_pool=rule), get_profile(fleet_sim.PROFILE)
+        )
+        longs = [
+            r for r in res.run().requests if r.replica >= 0 and not lone_prefill_feasible(r.prompt)
+        ]
+        assert longs
+        in_pool[rule] = sum(r.replica < cfg.reserved_replicas for r in longs) / len(longs)
+    # without the rule most go to the pool (the rest when the pool is full)
+    assert in_pool[True] == 0.0 and in_pool[False] > 0.5
