@@ -90,23 +90,24 @@ shared key's order within that bound (``_place_conversation``). No load comparis
 neither where this process placed earlier turns nor its in-flight KV (only a deep prefill
 backlog it queued, and a spill it saw, for hysteresis: see ``_place_conversation``): the
 scrape is the same in every process, so whichever process sees a turn computes the same
-replica. Following this
-process's own record of the conversation sent a turn back to where this process had placed
-an earlier one after the other processes had placed the turns between elsewhere, and a bound
-on each process's own in-flight loads spilled a turn in one process and not in another
-(bench/results/conversation_key.md). A conversation's first turn takes the better of two,
-as P2C does: its conversation's replica and the next in its system prompt's order, the
-conversation's replica unless the other scores higher by more than the request's own share of
-a replica; and a turn whose previous turn this process placed follows it (``latest_replica``:
-that replica holds the whole history). With ``affinity_conversation_shared`` off (before),
-only a conversation no candidate holds the key's block of is placed so (within the bound on
-this process's loads); one this process placed is followed as above.
+replica. Following this process's own record of the conversation sent a turn back to where
+this process had placed an earlier one after the other processes had placed the turns
+between elsewhere, and a bound on each process's own in-flight loads spilled a turn in one
+process and not in another (bench/results/conversation_key.md). A conversation's first turn
+takes the better of two, as P2C does: its conversation's replica and the next in its system
+prompt's order, the conversation's replica unless the other scores higher by more than the
+request's own share of a replica; and a turn whose previous turn this process placed follows
+it (``latest_replica``: that replica holds the whole history). With
+``affinity_conversation_shared`` off (before), only a conversation no candidate holds the
+key's block of is placed so (within the bound on this process's loads); one this process
+placed is followed as above.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -241,7 +242,7 @@ def score(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig) -> flo
         band += 2
     if cfg.context_placement and view.pool != "reserved":
         if req.long_context:
-            if view.long_rank < 0 or view.long_rank >= view.long_designated:
+            if not designated(view):
                 return None  # not a long-context replica: the budget's replicas only
             band -= view.long_rank  # pack: the lowest-ranked one with room
         else:
@@ -438,17 +439,20 @@ def _place_conversation(
         # (bench/results/conversation_key.md, "First turns"). The score counts the system
         # prompt where this process saw it cached: by load alone, 44 replicas under 4
         # processes served 1.1 points fewer prompt tokens from cache (same section).
-        scores = {v.replica_id: s for s, v in cands}
-        first, *rest = [
-            by_id[v.replica_id]
-            for v in (home, *(v for v in order if v is not home))
-            if scraped.get(v.replica_id, math.inf)
-            <= bound + (cfg.affinity_conversation_margin if v is home else 0.0)
-        ][:2]
+        first, *rest = itertools.islice(
+            (
+                by_id[v.replica_id]
+                for v in (home, *(v for v in order if v is not home))
+                if scraped.get(v.replica_id, math.inf)
+                <= bound + (cfg.affinity_conversation_margin if v is home else 0.0)
+            ),
+            2,
+        )
         if not rest:
             return first
-        slack = req.kv_bytes / first.capacity_bytes if first.capacity_bytes else 0.0
         second = rest[0]
+        scores = {v.replica_id: s for s, v in cands}
+        slack = req.kv_bytes / first.capacity_bytes if first.capacity_bytes else 0.0
         return first if scores[first.replica_id] + slack >= scores[second.replica_id] else second
     latest = by_id.get(prefix.latest_replica) if cfg.affinity_conversation_latest else None
     if (

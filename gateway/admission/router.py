@@ -54,9 +54,9 @@ from gateway.admission.prefix import PrefixIndex, PrefixQuery
 from gateway.admission.replicas import ReplicaState
 from gateway.admission.routing import PrefixTerms, ReplicaView, replica_key
 
-# Conversations whose last turn's replica a process remembers (``Router._latest``): ~100
-# bytes each; a conversation idle past this many others' turns goes to its conversation's
-# replica, as it would through another process.
+# Conversations whose last turn's replica a process remembers (``Router._latest``): ~200
+# bytes each, ~13 MB at the bound; a conversation idle past this many others' turns goes to
+# its conversation's replica, as it would through another process.
 LATEST_CONVERSATIONS = 65_536
 
 
