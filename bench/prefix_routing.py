@@ -527,6 +527,14 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(hash_cost()))
         return 0
     load = os.getloadavg()
+    # a before/after comparison (``before_after``) when one is asked for, else every arm
+    comparisons = (
+        (args.key_arms, KEY_ARMS),
+        (args.shared_arms, SHARED_ARMS),
+        (args.first_arms, FIRST_ARMS),
+        (args.latest_arms, LATEST_ARMS),
+    )
+    arms = next((chosen for asked, chosen in comparisons if asked), ARMS)
     runs: list[tuple[SimConfig, list[Result]]] = []
     for size in (int(x) for x in args.sizes.split(",")):
         cfg = SimConfig(replicas=size)
@@ -537,17 +545,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.system_tokens is not None:
             cfg = replace(cfg, system_tokens=args.system_tokens)
         results = []
-        arms = (
-            KEY_ARMS
-            if args.key_arms
-            else SHARED_ARMS
-            if args.shared_arms
-            else FIRST_ARMS
-            if args.first_arms
-            else LATEST_ARMS
-            if args.latest_arms
-            else ARMS
-        )
         for arm in arms:
             if size < 4 and arm.gateways > 1:
                 arm = replace(arm, gateways=2, label=arm.label.replace("4 gateways", "2 gateways"))
@@ -580,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         *table(runs),
         "",
     ]
-    if args.key_arms or args.shared_arms or args.first_arms or args.latest_arms:
+    if arms is not ARMS:
         Path(args.out).write_text("\n".join(lines))
         print("\n".join(lines))
         return 0
