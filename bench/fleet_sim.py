@@ -32,7 +32,7 @@ import numpy as np
 from bench.cliff import CliffPoint, run_engine
 from bench.noisy_neighbour import threshold_prefill_rate
 from bench.sim import SimRegistry, replica_records, scrape, sim_version
-from bench.stats import TPOT_SLO_S, TTFT_SLO_S, lone_prefill_feasible
+from bench.stats import TPOT_SLO_S, TTFT_SLO_S, clopper_pearson_lower, lone_prefill_feasible
 from bench.stats import fmt_ms as _ms
 from bench.stats import fmt_pct as _pct
 from bench.stats import percentile as _p
@@ -1077,7 +1077,15 @@ def write_isolation_report(
         "",
         f"Command: `{command}`",
         "",
-        f"Emulator `Engine`s ({PROFILE}, realistic prefill) in virtual time (the machine's "
+        f"Emulator `Engine`s ({PROFILE}, realistic prefill"
+        + (
+            f"; every replica of every run, both policies and the sizing probes, with "
+            f"--long-prefill-token-threshold {scale.long_prefill_tokens:,} as the platform's "
+            "replica command sets it"
+            if scale.long_prefill_tokens
+            else ""
+        )
+        + f") in virtual time (the machine's "
         f"load does not enter the figures{'; ' + load if load else ''}), {scale.rate_rps:g} "
         "req/s Poisson of the heavy-tailed shape (docs/design.md §2), classes 10 % reserved / "
         f"80 % standard / 10 % free, {scale.gateways} gateways, scrapes every 250 ms. "
@@ -1094,7 +1102,14 @@ def write_isolation_report(
             f"## Replicas needed for both SLOs at {scale.rate_rps:g} req/s, heavy-tailed shape",
             "",
             f"Bisection on the fleet size per policy ({scale.duration_s:g} model-s per probe, "
-            f"statistics after {scale.warmup_s:g} s). A size holds when TTFT p95 < 1 s and TPOT "
+            f"statistics after {scale.warmup_s:g} s"
+            + (
+                f"; each probe goes on {scale.drain_s:g} model-s past its end, arrivals and "
+                "all, so that the measured requests can finish"
+                if scale.drain_s
+                else ""
+            )
+            + "). A size holds when TTFT p95 < 1 s and TPOT "
             "p95 < 50 ms over the measured requests, TTFT counted from the first attempt's "
             "arrival (503 waits included) and a request never served counted as a miss.",
             "",
@@ -1181,10 +1196,11 @@ def _causes_cell(c: ClassSLO) -> str:
 
 
 def _slo_cells(c: ClassSLO) -> list[object]:
-    """attainment (n), missed, of which TTFT / TPOT, by cause."""
+    """attainment (n), its exact one-sided 95 % lower bound, missed, of which TTFT / TPOT,
+    by cause."""
     return [
-        f"{_pct(c.attainment, 2)} ({c.n})", c.missed, f"{c.ttft_missed} / {c.tpot_missed}",
-        _causes_cell(c),
+        f"{_pct(c.attainment, 2)} ({c.n})", _pct(clopper_pearson_lower(c.met, c.n), 2),
+        c.missed, f"{c.ttft_missed} / {c.tpot_missed}", _causes_cell(c),
     ]  # fmt: skip
 
 
@@ -1209,7 +1225,8 @@ def _reserved_section(
         "its first scheduled step) and the prefill's excess over its lone prefill time, or a "
         "preemption before the first token; TPOT — a preemption while decoding, else which "
         "kind of replica step of 50 ms or more took more of its decode time: steps carrying "
-        "a prefill chunk or decode-only ones. "
+        "a prefill chunk or decode-only ones. The lower bound: exact (Clopper-Pearson), "
+        "one-sided, 95 % (`bench.stats.clopper_pearson_lower`). "
         + (
             f"Each run goes on {any_cfg.drain_s:g} model-s past its end with the same "
             "arrivals so that the measured requests can finish; censored = measured arrivals "
@@ -1220,9 +1237,9 @@ def _reserved_section(
         ),
         "",
         "| run | replicas (reserved pool) | replica chunk cap | reserved: attainment (n) | "
-        "feasible: attainment (n) | feasible missed | of which TTFT / TPOT | feasible misses "
-        "by cause | censored (all classes) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "feasible: attainment (n) | feasible: 95 % lower bound | feasible missed | of which "
+        "TTFT / TPOT | feasible misses by cause | censored (all classes) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def cap(cfg: FleetConfig) -> str:
@@ -1777,6 +1794,14 @@ def main(argv: list[str] | None = None) -> int:
         "--long-prefill-token-threshold (the platform's: 5242)",
     )
     ap.add_argument(
+        "--replica-cap",
+        type=int,
+        default=0,
+        help="isolation runs: every run, both policies and the sizing probes, on replicas "
+        "with this --long-prefill-token-threshold (the platform's: 5242); --chunk-cap only "
+        "adds a capped arm of the new policy",
+    )
+    ap.add_argument(
         "--reserved-pools",
         default="",
         help="isolation runs: comma-separated reserved-pool sizes, each also run with the new "
@@ -1829,7 +1854,9 @@ def main(argv: list[str] | None = None) -> int:
                 "--heavy-rps takes numbers, --size-range integers LO,HI[,STEP], "
                 "--reserved-pools integers"
             )
-        scale = replace(scale, drain_s=args.drain)
+        scale = replace(scale, drain_s=args.drain, long_prefill_tokens=args.replica_cap)
+        if args.replica_cap and args.chunk_cap:
+            ap.error("--chunk-cap adds a capped arm; with --replica-cap every arm is capped")
         if args.size_range and not (len(bounds) in (2, 3) and 0 < bounds[0] < bounds[1]):
             ap.error("--size-range takes LO,HI[,STEP] with 0 < LO < HI")
         command = "python -m bench.fleet_sim " + " ".join(

@@ -95,6 +95,48 @@ def ratio_interval(
     return float(lo), float(hi)
 
 
+def _binomial_upper_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), summed in log space from k up."""
+    if k <= 0:
+        return 1.0
+    if p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    lp, lq = math.log(p), math.log1p(-p)
+    base = math.lgamma(n + 1)
+    return sum(
+        math.exp(base - math.lgamma(j + 1) - math.lgamma(n - j + 1) + j * lp + (n - j) * lq)
+        for j in range(k, n + 1)
+    )
+
+
+def clopper_pearson_lower(successes: int, n: int, level: float = 0.95) -> float:
+    """The exact (Clopper-Pearson) one-sided lower confidence bound on a success rate after
+    ``successes`` of ``n`` trials: the smallest p at which seeing at least ``successes``
+    still has probability ``1 - level`` (0 when there is no success; ``(1 - level) ** (1/n)``
+    when every trial succeeded). With ``level=0.95``, 1,279 of 1,280 gives 99.63 %: a
+    measured 99.92 % that does not show 99.9 %; showing 99.9 % with no miss takes 2,995
+    trials. NaN for no trials."""
+    if n <= 0:
+        return math.nan
+    if not 0 <= successes <= n:
+        raise ValueError(f"successes {successes} outside 0..{n}")
+    alpha = 1.0 - level
+    if successes == 0:
+        return 0.0
+    if successes == n:
+        return float(alpha ** (1.0 / n))
+    lo, hi = 0.0, 1.0  # the tail grows with p: bisect for tail(p) = alpha
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if _binomial_upper_tail(successes, n, mid) < alpha:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 @dataclass(frozen=True, slots=True)
 class Dist:
     n: int

@@ -82,6 +82,23 @@ def test_fleet_sim_isolation_reserved_arms(tmp_path: Path) -> None:
     assert "| old (P2C + in-flight), 4 heavy tenants |" not in report  # --skip-arm
 
 
+def test_fleet_sim_isolation_every_replica_capped(tmp_path: Path) -> None:
+    """--replica-cap: both policies, the sizing probes included, on replicas with the
+    platform's chunk cap (--chunk-cap caps only an extra arm of the new policy)."""
+    argv = ["--quick", "--isolation", "--workers", "1", "--out", str(tmp_path), "--drain", "10"]
+    argv += ["--size-range", "15,16", "--replica-cap", "5242", "--report", "capped.md"]
+    assert fleet_sim.main(argv) == 0
+    report = (tmp_path / "capped.md").read_text()
+    assert "--long-prefill-token-threshold 5,242" in report
+    assert "goes on 10 model-s past its end, arrivals and all" in report  # the sizing's drain
+    assert "| old (P2C + in-flight) (sizing probe) | 16 | 5,242 |" in report
+    assert "| old (P2C + in-flight), 4 heavy tenants | 6 | 5,242 |" in report
+    assert "| new (isolation), 4 heavy tenants | 6 | 5,242 |" in report
+    assert "| feasible: 95 % lower bound |" in report and "Clopper-Pearson" in report
+    with pytest.raises(SystemExit):  # both flags: an extra capped arm of capped replicas
+        fleet_sim.main([*argv, "--chunk-cap", "5242"])
+
+
 def test_fleet_sim_quick(tmp_path: Path) -> None:
     assert fleet_sim.main(["--quick", "--workers", "1", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "fleet_sim.md").read_text()

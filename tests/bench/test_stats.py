@@ -77,3 +77,26 @@ def test_ratio_interval_covers_the_true_ratio_and_narrows_with_more_requests() -
     assert same_lo < 1.0 < same_hi  # two samples of one distribution
     assert ratio_interval(slower, quiet) == (lo, hi)  # seeded: the same every time
     assert all(math.isnan(x) for x in ratio_interval([], quiet))
+
+
+def test_clopper_pearson_lower_bound() -> None:
+    from bench.stats import clopper_pearson_lower
+
+    # every trial a success: the closed form (1 - level) ** (1 / n)
+    assert clopper_pearson_lower(3, 3) == pytest.approx(0.05 ** (1 / 3))
+    assert clopper_pearson_lower(2995, 2995) >= 0.999 > clopper_pearson_lower(2994, 2994)
+    assert clopper_pearson_lower(0, 5) == 0.0
+    assert math.isnan(clopper_pearson_lower(0, 0))
+    with pytest.raises(ValueError):
+        clopper_pearson_lower(6, 5)
+    # the bound is where seeing at least k successes has probability 1 - level, by the
+    # binomial tail summed with exact integer coefficients
+    for k, n in [(5, 10), (17, 20), (1279, 1280), (95, 200)]:
+        lo = clopper_pearson_lower(k, n)
+        tail = sum(math.comb(n, j) * lo**j * (1 - lo) ** (n - j) for j in range(k, n + 1))
+        assert tail == pytest.approx(0.05, rel=1e-6)
+        assert lo < k / n
+    assert clopper_pearson_lower(5, 10) == pytest.approx(0.2224, abs=1e-4)  # tables' value
+    # more misses, a lower bound; a higher level, a lower bound
+    assert clopper_pearson_lower(1278, 1280) < clopper_pearson_lower(1279, 1280)
+    assert clopper_pearson_lower(1279, 1280, level=0.99) < clopper_pearson_lower(1279, 1280)
