@@ -21,6 +21,7 @@ import dataclasses
 import heapq
 import math
 import random
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -360,6 +361,22 @@ def reserved_slo(res: SimResult, feasible_only: bool) -> ClassSLO:
         and (not feasible_only or lone_prefill_feasible(r.prompt))
     ]
     return class_slo(reqs, res.slow_steps)
+
+
+def pool_slo(parts: list[ClassSLO]) -> ClassSLO:
+    """Several runs' ``ClassSLO`` as one sample (counts and causes summed), for an attainment
+    measured over more requests than one run holds."""
+    causes: dict[str, int] = {}
+    for c in parts:
+        for name, k in c.causes:
+            causes[name] = causes.get(name, 0) + k
+    return ClassSLO(
+        n=sum(c.n for c in parts),
+        met=sum(c.met for c in parts),
+        ttft_missed=sum(c.ttft_missed for c in parts),
+        tpot_missed=sum(c.tpot_missed for c in parts),
+        causes=tuple(sorted(causes.items(), key=lambda kv: CAUSES.index(kv[0]))),
+    )
 
 
 class _Gateway:
@@ -1186,6 +1203,7 @@ def write_isolation_report(
         rows += ["", f"**{name}** — heavy tenants:", ""]
         rows += _heavy_tenant_table(res, res.cfg.warmup_s, res.cfg.duration_s)
     rows += _reserved_section(results, sizing_probes)
+    rows += _pooled_reserved_section(results)
     path = out_dir / report_name
     path.write_text("\n".join(rows) + "\n")
     return path
@@ -1263,6 +1281,41 @@ def _reserved_section(
             _md_row([
                 name, reps, cap(cfg), f"{_pct(every.attainment, 2)} ({every.n})", *feas,
                 res.censored(),
+            ])
+        )  # fmt: skip
+    return rows
+
+
+SEED_SUFFIX = re.compile(r", seed \d+$")
+
+
+def _pooled_reserved_section(results: dict[str, SimResult]) -> list[str]:
+    """With runs of several seeds (labels ending ", seed N"), each arm's reserved class over
+    all its seeds as one sample: nothing when every arm ran once."""
+    arms: dict[str, list[SimResult]] = {}
+    for name, res in results.items():
+        arms.setdefault(SEED_SUFFIX.sub("", name), []).append(res)
+    if all(len(runs) == 1 for runs in arms.values()):
+        return []
+    rows = [
+        "",
+        "## Reserved class pooled over seeds",
+        "",
+        "Each arm's runs above (one per seed, each its own arrivals) counted as one sample.",
+        "",
+        "| arm | seeds | reserved: attainment (n) | feasible: attainment (n) | feasible: 95 % "
+        "lower bound | feasible missed | of which TTFT / TPOT | feasible misses by cause | "
+        "censored (all classes) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, runs in arms.items():
+        every = pool_slo([reserved_slo(r, feasible_only=False) for r in runs])
+        feas = pool_slo([reserved_slo(r, feasible_only=True) for r in runs])
+        seeds = ", ".join(str(r.cfg.seed) for r in runs)
+        rows.append(
+            _md_row([
+                arm, seeds, f"{_pct(every.attainment, 2)} ({every.n})", *_slo_cells(feas),
+                sum(r.censored() for r in runs),
             ])
         )  # fmt: skip
     return rows
@@ -1828,6 +1881,13 @@ def main(argv: list[str] | None = None) -> int:
         "(repeatable), to fit a run in the time at hand",
     )
     ap.add_argument(
+        "--seeds",
+        default="",
+        help="isolation runs: comma-separated seeds, every heavy-tenant arm once per seed "
+        "(labels end ', seed N'), the reserved class also pooled over them (not with "
+        "--size-range)",
+    )
+    ap.add_argument(
         "--report",
         default="fleet_sim_isolation.md",
         help="file name of the isolation report under --out",
@@ -1849,11 +1909,14 @@ def main(argv: list[str] | None = None) -> int:
             heavy_rates = tuple(float(x) for x in args.heavy_rps.split(",") if x.strip())
             bounds = [int(x) for x in args.size_range.split(",") if x.strip()]
             pools = tuple(int(x) for x in args.reserved_pools.split(",") if x.strip())
+            seeds = tuple(int(x) for x in args.seeds.split(",") if x.strip())
         except ValueError:
             ap.error(
                 "--heavy-rps takes numbers, --size-range integers LO,HI[,STEP], "
-                "--reserved-pools integers"
+                "--reserved-pools and --seeds integers"
             )
+        if seeds and bounds:
+            ap.error("--seeds runs the heavy-tenant arms only: leave out --size-range")
         scale = replace(scale, drain_s=args.drain, long_prefill_tokens=args.replica_cap)
         if args.replica_cap and args.chunk_cap:
             ap.error("--chunk-cap adds a capped arm; with --replica-cap every arm is capped")
@@ -1867,12 +1930,15 @@ def main(argv: list[str] | None = None) -> int:
         if bounds:
             step = bounds[2] if len(bounds) == 3 else 1
             probes = fleet_sizing(scale, args.seed, bounds[0], bounds[1], step, args.workers)
-        exps = isolation_experiments(
-            scale, args.seed, args.heavy_tenants, heavy_rates, args.heavy_duration,
-            chunk_cap=args.chunk_cap, reserved_pools=pools,
-            reserved_rule_off=args.reserved_rule_off,
-            reserved_long_rule_on=args.reserved_long_rule_on,
-        )  # fmt: skip
+        exps = {}
+        for seed in seeds or (args.seed,):
+            arms = isolation_experiments(
+                scale, seed, args.heavy_tenants, heavy_rates, args.heavy_duration,
+                chunk_cap=args.chunk_cap, reserved_pools=pools,
+                reserved_rule_off=args.reserved_rule_off,
+                reserved_long_rule_on=args.reserved_long_rule_on,
+            )  # fmt: skip
+            exps.update({k + (f", seed {seed}" if seeds else ""): v for k, v in arms.items()})
         exps = {k: v for k, v in exps.items() if not any(t in k for t in args.skip_arm)}
         if not exps:
             ap.error("--skip-arm left no arm to run")

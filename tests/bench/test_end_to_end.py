@@ -99,6 +99,20 @@ def test_fleet_sim_isolation_every_replica_capped(tmp_path: Path) -> None:
         fleet_sim.main([*argv, "--chunk-cap", "5242"])
 
 
+def test_fleet_sim_isolation_seeds_pool_the_reserved_class(tmp_path: Path) -> None:
+    """--seeds: every arm once per seed, and the reserved class pooled over the seeds."""
+    argv = ["--quick", "--isolation", "--workers", "1", "--out", str(tmp_path), "--drain", "10"]
+    argv += ["--seeds", "1,2", "--skip-arm", "old (", "--report", "seeds.md"]
+    assert fleet_sim.main(argv) == 0
+    report = (tmp_path / "seeds.md").read_text()
+    assert "| new (isolation), 4 heavy tenants, seed 1 | 6 |" in report
+    assert "| new (isolation), 4 heavy tenants, seed 2 | 6 |" in report
+    assert "## Reserved class pooled over seeds" in report
+    assert "| new (isolation), 4 heavy tenants | 1, 2 |" in report
+    with pytest.raises(SystemExit):  # the sizing runs one seed
+        fleet_sim.main([*argv, "--size-range", "4,8"])
+
+
 def test_fleet_sim_quick(tmp_path: Path) -> None:
     assert fleet_sim.main(["--quick", "--workers", "1", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "fleet_sim.md").read_text()

@@ -166,3 +166,16 @@ def test_reserved_long_contexts_keep_out_of_the_pool_while_the_designated_have_r
         in_pool[rule] = sum(r.replica < cfg.reserved_replicas for r in longs) / len(longs)
     # without the rule most go to the pool (the rest when the pool is full)
     assert in_pool[True] == 0.0 and in_pool[False] > 0.5
+
+
+def test_pool_slo_sums_runs_and_their_causes() -> None:
+    from bench.fleet_sim import ClassSLO, pool_slo
+
+    a = ClassSLO(n=1000, met=998, ttft_missed=1, tpot_missed=1,
+                 causes=((CAUSE_QUEUED, 1), (CAUSE_LONG_PREFILL, 1)))  # fmt: skip
+    b = ClassSLO(n=2000, met=1999, ttft_missed=1, tpot_missed=0, causes=((CAUSE_QUEUED, 1),))
+    both = pool_slo([a, b])
+    assert (both.n, both.met, both.ttft_missed, both.tpot_missed) == (3000, 2997, 2, 1)
+    assert both.causes == ((CAUSE_QUEUED, 2), (CAUSE_LONG_PREFILL, 1))  # in CAUSES order
+    assert both.attainment == pytest.approx(0.999)
+    assert pool_slo([]).n == 0 and math.isnan(pool_slo([]).attainment)
