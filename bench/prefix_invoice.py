@@ -299,12 +299,16 @@ def invoice_table(arms: Sequence[Arm]) -> list[str]:
     row("total before rounding", [f"${e.normalize():f}" for e in exact])
     row("invoice total", [money(a.total) for a in arms])
     row(
-        f"saving vs {base.label}: invoice (before rounding)",
+        "total before rounding per million prompt tokens",
+        [f"${e * 1_000_000 / r['prompt']:.4f}" for e, r in zip(exact, received, strict=True)],
+    )
+    row(
+        f"saving vs {base.label}",
         [
             "—"
             if a is base
-            else f"{money(base.total - a.total)} ({(exact[0] - e) / exact[0]:.1%}: "
-            f"${(exact[0] - e).normalize():f})"
+            else f"{money(base.total - a.total)} on the invoice; "
+            f"${(exact[0] - e).normalize():f} ({(exact[0] - e) / exact[0]:.1%}) before rounding"
             for a, e in zip(arms, exact, strict=True)
         ],
     )
@@ -322,8 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--conversations-per-replica", type=int, default=8)
     ap.add_argument("--out", default=str(RESULTS / "prefix_invoice.md"))
+    ap.add_argument("--append", action="store_true", help="add this run to --out's runs")
+    ap.add_argument("--db-name", default=DB_NAME, help="PostgreSQL database (dropped at exit)")
     args = ap.parse_args(argv)
-    command = "python -m bench.prefix_invoice " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = " ".join(
+        ["python -m bench.prefix_invoice", *(sys.argv[1:] if argv is None else argv)]
+    )
 
     from bench.faults import own_database
     from bench.ingest import setup_django
@@ -335,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = cluster.workdir()
     sections: list[list[str]] = []
     try:
-        with own_database(DB_NAME) as url:
+        with own_database(args.db_name) as url:
             os.environ["DATABASE_URL"] = url
             setup_django(services)  # migrates; REDIS_URL = BENCH_REDIS_URL, else DB 15
             from metering.consumer import ConsumerConfig, UsageConsumer
@@ -391,31 +399,36 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         services.stop()
     load1 = os.getloadavg()
-    text = "\n".join(
-        [
-            "# Cache-aware routing on the invoice",
-            "",
-            f"Run {started}. Command: `{command}`. Machine load average {load0[0]:.1f} at start, "
-            f"{load1[0]:.1f} at the end (2 shared cores).",
-            "",
-            f"Replicas: `python -m emulator --profile {PROFILE}` at speed {args.speed:g} with "
-            "the platform flags (prefix caching on, `--enable-prompt-tokens-details`), fresh "
-            "for each arm; one gateway process per arm (`GATEWAY_ADMISSION_STRATEGY` = `p2c` "
-            "or `cache_aware`) sending usage events to the embedded Kafka-protocol broker; "
-            "the real consumer writes `usage`; `billing.services.invoice_draft_build` drafts "
-            "each arm's tenant's invoice at the demo catalog's 70B prices. The workload is "
-            "`bench.prefix_gateway`'s (user messages 40-120 words, replies 48 tokens, every "
-            "request with `seed` and `ignore_eos`, so both arms send the same prompts). "
-            "Token counts are what the clients' `usage` objects said; the invoice lines are "
-            "the tokens the consumer metered, `tokens × price / 1,000,000` exact and then "
-            "rounded to cents once per line.",
-            "",
-            *(line for section in sections for line in section),
-        ]
-    )
-    Path(args.out).write_text(text)
+    run = [
+        f"Run {started}. Command: `{command}`. Machine load average {load0[0]:.1f} at start, "
+        f"{load1[0]:.1f} at the end (2 shared cores). Replicas at speed {args.speed:g}.",
+        "",
+        *(line for section in sections for line in section),
+    ]
+    out = Path(args.out)
+    if args.append and out.exists():
+        text = out.read_text().rstrip("\n") + "\n\n---\n\n" + "\n".join(run)
+    else:
+        text = "\n".join([*HEADER, "", *run])
+    out.write_text(text)
     print(text)
     return 0
+
+
+HEADER = [
+    "# Cache-aware routing on the invoice",
+    "",
+    f"Replicas: `python -m emulator --profile {PROFILE}` with the platform flags (prefix "
+    "caching on, `--enable-prompt-tokens-details`), fresh for each arm; one gateway process "
+    "per arm (`GATEWAY_ADMISSION_STRATEGY` = `p2c` or `cache_aware`) sending usage events to "
+    "the embedded Kafka-protocol broker (Tansu); the real consumer writes `usage`; "
+    "`billing.services.invoice_draft_build` drafts each arm's tenant's invoice at the demo "
+    "catalog's 70B prices. The workload is `bench.prefix_gateway`'s (user messages 40-120 "
+    "words, replies 48 tokens, every request with `seed` and `ignore_eos`, so both arms send "
+    "the same prompts). Token counts are what the clients' `usage` objects said; the invoice "
+    "lines are the tokens the consumer metered, `tokens × price / 1,000,000` exact, then "
+    "rounded to cents once per line (the invoice total is the sum of the rounded lines).",
+]
 
 
 if __name__ == "__main__":
