@@ -20,8 +20,8 @@ saving exceeds two cents: 45,000 tokens moved to the cached price at the 70B's $
 million between the two prices (at the 8B's $0.045 it would take ten times as many, hence the
 70B). Measured on this workload (``python -m bench.prefix_invoice --sizes 4,4,4 --speed 20``,
 three runs in one, bench/results/prefix_invoice.md): of 946,817 prompt tokens, P2C had
-748,864-758,480 cached, cache-aware routing 874,768 in each run: 116,000-126,000 tokens,
-an exact saving of $0.052-0.057.
+750,064-759,056 cached, cache-aware routing 874,768 in each run: 115,712-124,704 tokens
+more, an exact saving of $0.052-0.056.
 """
 
 from __future__ import annotations
