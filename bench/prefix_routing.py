@@ -40,6 +40,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
@@ -117,6 +118,9 @@ class Arm:
     pool: int = 0
     recycle: int = 0  # a connection is closed after this many requests (0: never)
     keepalive_s: float = 0.0  # an idle connection is closed after this long (0: never)
+    # whose pool a request goes out on: its tenant's (an application's backend) or its
+    # conversation's (a client per end user's session)
+    clients: str = "tenant"
 
 
 @dataclass(slots=True)
@@ -134,8 +138,10 @@ class ClientConnections:
     accept queue and a load balancer's least-connections pick are, to the client), not
     per request.
 
-    A client is a tenant: in this workload a tenant is an application whose backend sends all
-    its conversations' turns with its API key through one SDK client. Two pool models:
+    A client is a tenant (``Arm.clients``): in this workload a tenant is an application whose
+    backend sends all its conversations' turns with its API key through one SDK client; or,
+    the most a client can do for affinity, a conversation (an SDK client per end user's
+    session). Two pool models:
 
     * ``pool`` > 0: ``pool`` connections per client, opened on its first request; a request
       takes a random one of them (busy or not: as HTTP/2 multiplexes, and pessimistic
@@ -164,7 +170,7 @@ class ClientConnections:
         self.recycle = recycle
         self.keepalive_s = keepalive_s
         self._rng = rng
-        self._clients: dict[int, list[_Connection]] = {}
+        self._clients: dict[Hashable, list[_Connection]] = {}
         self.opened = 0
         self.requests = 0
 
@@ -176,7 +182,7 @@ class ClientConnections:
         idle = conn.busy == 0 and self.keepalive_s > 0 and now - conn.idle_since > self.keepalive_s
         return idle or (self.recycle > 0 and conn.uses >= self.recycle)
 
-    def acquire(self, client: int, now: float) -> _Connection:
+    def acquire(self, client: Hashable, now: float) -> _Connection:
         """The connection the client's next request goes out on (``release`` it when the
         response ends)."""
         conns = self._clients.setdefault(client, [])
@@ -248,6 +254,7 @@ class Conversation:
     rng: random.Random
     first_user: tuple[int, int] | None = None  # its first user message's (start, end)
     replies: int = 0  # the model's replies in the history (the assistant turns resent)
+    number: int = 0  # the conversation's, in order of start
 
 
 def event_maps(events: list[KVEvent]) -> list[dict[str, object]]:
@@ -353,6 +360,7 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
             break
         tenant = rng.randrange(tenants)
         conv = Conversation(tenant, 0, list(systems[tenant]), random.Random(rng.getrandbits(32)))
+        conv.number = seq[0]  # the pushes so far: one per conversation
         push(t, "turn", conv)
     if cfg.churn_rate_per_replica > 0:
         t = 0.0
@@ -401,7 +409,12 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
             push(req.finish_time + conv.rng.expovariate(1.0 / cfg.think_s), "turn", conv)
 
     def dispatch(t_at: float, tenant: int, tokens: list[int], conv: Conversation | None) -> None:
-        conn = conns.acquire(tenant, t_at) if conns is not None else None
+        conn = None
+        if conns is not None:
+            client: Hashable = tenant
+            if arm.clients == "conversation" and conv is not None:
+                client = ("c", conv.number)
+            conn = conns.acquire(client, t_at)
         g = conn.process if conn is not None else dispatch_turn[0] % arm.gateways
         dispatch_turn[0] += 1
         router = routers[g]
@@ -532,8 +545,9 @@ def connection_arms(
 ) -> tuple[Arm, ...]:
     """``--connection-arms``: 1 gateway; 4 gateways with requests spread per request (the
     worst case); per connection with ``pools`` connections per client (a request on a random
-    one) and with the openai SDK's pool (the first idle connection, 5 s keep-alive); then
-    perfect affinity. ``recycle``/``keepalive_s`` apply to the fixed pools."""
+    one) and with the openai SDK's pool (the first idle connection, 5 s keep-alive), a pool
+    per tenant and one per conversation; then perfect affinity. ``recycle``/``keepalive_s``
+    apply to the fixed pools."""
     each = f"{', recycled every ' + str(recycle) if recycle else ''}" + (
         f", {keepalive_s:g} s keep-alive" if keepalive_s else ""
     )
@@ -557,6 +571,13 @@ def connection_arms(
             label="4 gateways, per connection, openai SDK pool (first idle, 5 s keep-alive)",
             connections="httpx",
             keepalive_s=5.0,
+        ),
+        replace(
+            four,
+            label="4 gateways, per connection, an openai SDK pool per conversation",
+            connections="httpx",
+            keepalive_s=5.0,
+            clients="conversation",
         ),
         Arm("perfect affinity (tenant pinned)", "pinned"),
     )

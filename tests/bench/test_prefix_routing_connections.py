@@ -75,6 +75,7 @@ def test_connection_arms_run(tmp_path: Path) -> None:
         "| 2 | 2 gateways, per connection, 1 per client |",
         "| 2 | 2 gateways, per connection, 2 per client |",
         "| 2 | 2 gateways, per connection, openai SDK pool (first idle, 5 s keep-alive) |",
+        "| 2 | 2 gateways, per connection, an openai SDK pool per conversation |",
         "| 2 | perfect affinity (tenant pinned) |",
     ):
         assert label in text
