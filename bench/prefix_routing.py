@@ -228,6 +228,9 @@ class Result:
     index_blocks: int = 0
     connections: int = 0  # opened over the run (per-connection arms)
     connection_requests: int = 0  # sent on them, warm-up included
+    # later turns (after the warm-up), and those through the process of the turn before
+    later_turns: int = 0
+    same_process: int = 0
 
     @property
     def share(self) -> float:
@@ -255,6 +258,7 @@ class Conversation:
     first_user: tuple[int, int] | None = None  # its first user message's (start, end)
     replies: int = 0  # the model's replies in the history (the assistant turns resent)
     number: int = 0  # the conversation's, in order of start
+    process: int = -1  # the gateway process its last turn went through
 
 
 def event_maps(events: list[KVEvent]) -> list[dict[str, object]]:
@@ -417,6 +421,11 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
             conn = conns.acquire(client, t_at)
         g = conn.process if conn is not None else dispatch_turn[0] % arm.gateways
         dispatch_turn[0] += 1
+        if conv is not None:
+            if conv.replies > 0 and t_at >= cfg.warmup_s:
+                out.later_turns += 1
+                out.same_process += conv.process == g
+            conv.process = g
         router = routers[g]
         kv_bytes = len(tokens) * profile.kv_bytes_per_token
         query: PrefixQuery | None = None
@@ -782,14 +791,16 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.connection_arms:
         lines += [
-            "| replicas | routing | connections opened | requests per connection |",
-            "|---|---|---|---|",
+            "| replicas | routing | connections opened | requests per connection | later turns "
+            "through the process of the turn before |",
+            "|---|---|---|---|---|",
             *(
-                f"| {c.replicas} | {r.arm.label} | {r.connections} | "
-                f"{r.connection_requests / r.connections if r.connections else float('nan'):.1f} |"
+                f"| {c.replicas} | {r.arm.label} | {r.connections or '—'} | "
+                + (f"{r.connection_requests / r.connections:.1f}" if r.connections else "—")
+                + f" | {r.same_process / r.later_turns if r.later_turns else float('nan'):.0%} |"
                 for c, results in runs
                 for r in results
-                if r.arm.connections
+                if r.arm.gateways > 1
             ),
             "",
         ]

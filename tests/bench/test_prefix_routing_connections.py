@@ -79,4 +79,7 @@ def test_connection_arms_run(tmp_path: Path) -> None:
         "| 2 | perfect affinity (tenant pinned) |",
     ):
         assert label in text
-    assert "| replicas | routing | connections opened | requests per connection |" in text
+    assert "| connections opened | requests per connection | later turns through" in text
+    # one client connection per tenant: a conversation's turns all through one process
+    one = "| 2 | 2 gateways, per connection, 1 per client | 4 | "
+    assert next(r for r in text.splitlines() if r.startswith(one)).endswith("| 100% |")
