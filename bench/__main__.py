@@ -49,6 +49,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("faults", "8 · Faults (clients and end-to-end usage)", "faults.md"),
     Scenario("abuse", "9 · Abuse (a well-behaved tenant under four attacks)", "abuse.md"),
     Scenario("redis_cluster", "10 · Admission on a Redis Cluster", "redis_cluster.md"),
+    Scenario("prefix_invoice", "12 · KV-cache-aware routing on the invoice", "prefix_invoice.md"),
 )
 
 

@@ -1240,9 +1240,9 @@ def _details(run: Run) -> list[str]:
 
 
 @contextlib.contextmanager
-def own_database() -> Iterator[str]:
-    """``fairway_faults`` on the machine's PostgreSQL (or DATABASE_URL's server), created,
-    migrated, and dropped on exit."""
+def own_database(name: str = DB_NAME) -> Iterator[str]:
+    """Database ``name`` (``fairway_faults``) on the machine's PostgreSQL (or
+    FAULTS_POSTGRES_URL's server), created empty, and dropped on exit."""
     import psycopg
 
     from fairway.embedded import LOCAL_POSTGRES_URL, create_database, with_database
@@ -1250,9 +1250,9 @@ def own_database() -> Iterator[str]:
     server = os.environ.get("FAULTS_POSTGRES_URL", LOCAL_POSTGRES_URL)
     admin = server.replace("postgres://", "postgresql://")
     with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
-    create_database(server, DB_NAME)
-    url = with_database(server, DB_NAME)
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    create_database(server, name)
+    url = with_database(server, name)
     try:
         yield url
     finally:
@@ -1261,7 +1261,7 @@ def own_database() -> Iterator[str]:
 
             connections.close_all()
         with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def main(argv: list[str] | None = None) -> int:

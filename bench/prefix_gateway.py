@@ -64,6 +64,7 @@ class Turn:
     ttft_s: float
     reply: str
     refused: int = 0  # 503s before this turn was served
+    completion_tokens: int = 0
 
 
 async def chat_turn(
@@ -107,6 +108,7 @@ async def chat_turn(
         int(details.get("cached_tokens") or 0),
         ttft,
         "".join(parts),
+        completion_tokens=int(usage.get("completion_tokens", 0)),
     )
 
 
@@ -125,10 +127,15 @@ async def converse(
     *,
     user_words: tuple[int, int] = (40, 120),
     max_tokens: int = 48,
+    request_seed: int | None = None,
     **extra: Any,
 ) -> list[Turn]:
-    """One conversation: each turn resends the whole history plus a new user message."""
+    """One conversation: each turn resends the whole history plus a new user message.
+    ``request_seed`` goes on every request as its ``seed``: the emulator then draws the
+    replies from the prompt alone, the same on every replica and in every run."""
     rng = random.Random(seed)
+    if request_seed is not None:
+        extra["seed"] = request_seed
     messages = [{"role": "system", "content": system}]
     out = []
     for k in range(turns):
@@ -156,6 +163,44 @@ async def converse(
         out.append(turn)
         del k
     return out
+
+
+def system_prompts(count: int) -> list[str]:
+    """The workload's system prompts (``SYSTEM_WORDS`` words each), the same in every run."""
+    rng = random.Random(7)
+    return [words(rng, SYSTEM_WORDS, f"s{t}x") for t in range(count)]
+
+
+async def conversations_over(
+    base_url: str,
+    auths: Sequence[dict[str, str]],
+    model: str,
+    systems: Sequence[str],
+    conversations: int,
+    turns: int,
+    **options: Any,
+) -> list[list[Turn]]:
+    """``conversations`` concurrent conversations (seeded 1000, 1001, …): conversation ``c``
+    over ``systems[c % len(systems)]``, sent with ``auths[c % len(auths)]``; ``options``
+    go to ``converse``."""
+    async with httpx.AsyncClient(timeout=300) as http:
+        return list(
+            await asyncio.gather(
+                *(
+                    converse(
+                        http,
+                        base_url,
+                        auths[c % len(auths)],
+                        model,
+                        systems[c % len(systems)],
+                        turns,
+                        seed=1000 + c,
+                        **options,
+                    )
+                    for c in range(conversations)
+                )
+            )
+        )
 
 
 @dataclass(slots=True)
@@ -242,25 +287,16 @@ async def run_arm(
         )
     gw = cluster.start_gateway(redis_url, workers, env, workdir, timeout=90)
     out = ArmResult(label, len(replica_urls), load=os.getloadavg()[0])
-    rng = random.Random(7)
-    systems = [words(rng, SYSTEM_WORDS, f"s{t}x") for t in range(tenants)]
     t0 = time.perf_counter()
     try:
-        async with httpx.AsyncClient(timeout=300) as http:
-            results = await asyncio.gather(
-                *(
-                    converse(
-                        http,
-                        gw.base_url,
-                        {"authorization": f"Bearer {seeds[c % tenants].secret}"},
-                        VERSION,
-                        systems[c % tenants],
-                        turns,
-                        seed=1000 + c,
-                    )
-                    for c in range(conversations)
-                )
-            )
+        results = await conversations_over(
+            gw.base_url,
+            [{"authorization": f"Bearer {s.secret}"} for s in seeds],
+            VERSION,
+            system_prompts(tenants),
+            conversations,
+            turns,
+        )
     finally:
         gw.stop()
     out.wall_s = time.perf_counter() - t0

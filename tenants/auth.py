@@ -1,28 +1,35 @@
-"""Management-API tokens: they expire, and obtaining one is throttled per client address.
+"""Management-API tokens: stored only as a digest, shown once, expiring; obtaining one is
+throttled per client address.
 
-DRF's tokens never expire on their own; a token copied into a script or a CI log would
-work for ever. ``tenants.authentication`` refuses one older than
-``FAIRWAY_API_TOKEN_MAX_AGE_H`` hours; ``ObtainExpiringToken`` hands out a fresh one in its
-place. The token endpoint checks passwords, so it is throttled per address
-(``FAIRWAY_AUTH_TOKEN_RATE``) in a cache shared by every web process (Redis), as the
+``POST /api/v1/auth/token/`` (username and password) answers ``{"token": …}`` with a new
+token: its plaintext is in that response only; the database keeps its peppered HMAC
+(``tenants.models.ApiToken``), as for API keys. ``tenants.authentication`` refuses a token
+older than ``FAIRWAY_API_TOKEN_MAX_AGE_H`` hours, so a token copied into a script or a CI log
+does not work for ever. ``DELETE`` on the same URL revokes the token the request was made
+with, or (``?all=true``) every token of the caller. The password check is throttled per
+address (``FAIRWAY_AUTH_TOKEN_RATE``) in a cache shared by every web process (Redis), as the
 console's sign-in is by django-axes.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from django.conf import settings
 from django.core.cache import caches
-from django.db import transaction
-from rest_framework.authtoken.models import Token
+from django.utils.cache import add_never_cache_headers
+from drf_spectacular.utils import extend_schema, inline_serializer
+from rest_framework import serializers
 from rest_framework.authtoken.views import ObtainAuthToken
+from rest_framework.permissions import BasePermission, IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.throttling import ScopedRateThrottle
+from rest_framework.throttling import BaseThrottle, ScopedRateThrottle
 
-from tenants.authentication import token_expired
+from tenants import services
+from tenants.models import ApiToken
 
 log = logging.getLogger("tenants.auth")
 
@@ -47,19 +54,60 @@ class AuthTokenThrottle(ScopedRateThrottle):
             return True
 
 
+class RevokeQuery(serializers.Serializer):
+    all = serializers.BooleanField(
+        default=False,
+        help_text="Revoke every management-API token of the caller, not only the one sent.",
+    )
+
+
+# DRF's token view for its input (form, JSON or multipart) and serializer, so the request and
+# response are DRF's as before; it issues ApiTokens instead of DRF's plaintext Token rows.
 class ObtainExpiringToken(ObtainAuthToken):
     throttle_classes = [AuthTokenThrottle]
     throttle_scope = "auth-token"
 
+    def get_permissions(self) -> Sequence[BasePermission]:
+        if self.request.method == "DELETE":
+            return [IsAuthenticated()]
+        return list(super().get_permissions())
+
+    def get_throttles(self) -> Sequence[BaseThrottle]:
+        # The throttle guards the password check; revoking checks none.
+        return [] if self.request.method == "DELETE" else list(super().get_throttles())
+
+    @extend_schema(
+        description="A new management-API token for the user whose username and password are "
+        "given. The token is in this response only (it is stored as a digest) and expires "
+        "after FAIRWAY_API_TOKEN_MAX_AGE_H hours (24 by default). Send it as "
+        "`Authorization: Token <token>`, or `Bearer <token>` to the usage and costs reports."
+    )
     def post(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        user = serializer.validated_data["user"]
-        with transaction.atomic():
-            token = Token.objects.select_for_update().filter(user=user).first()
-            if token is not None and token_expired(token):
-                token.delete()
-                token = None
-            if token is None:
-                token = Token.objects.create(user=user)
-        return Response({"token": token.key})
+        _, secret = services.api_token_create(user=serializer.validated_data["user"])
+        response = Response({"token": secret})
+        add_never_cache_headers(response)  # the only time the token is shown: no cache keeps it
+        return response
+
+    @extend_schema(
+        description="Revoke the management-API token this request is made with, or every "
+        "token of the caller with all=true. Answers how many were revoked.",
+        parameters=[RevokeQuery],
+        request=None,
+        responses={
+            200: inline_serializer("ApiTokenRevoked", {"revoked": serializers.IntegerField()})
+        },
+    )
+    def delete(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        query = RevokeQuery(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        if query.validated_data["all"]:
+            revoked = services.api_token_revoke_all(user=request.user)
+        elif isinstance(request.auth, ApiToken):
+            revoked = int(services.api_token_revoke(token=request.auth))
+        else:
+            raise serializers.ValidationError(
+                {"all": "This request carries no API token: pass all=true to revoke all yours."}
+            )
+        return Response({"revoked": revoked})

@@ -1,4 +1,5 @@
-"""Plans, tenants, members, API keys and per-tenant per-model-family limits.
+"""Plans, tenants, members, API keys, management-API tokens and per-tenant per-model-family
+limits.
 
 Database constraints come first (non-negative limits, max_output <= max_context, one row per
 tenant and family, one membership per user and tenant); ``clean()`` repeats the cross-field
@@ -8,7 +9,7 @@ rules so that services report them against the right field.
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 
 from django.conf import settings
@@ -279,6 +280,39 @@ class ApiKey(models.Model):
     def is_active(self, now: datetime | None = None) -> bool:
         at = now or timezone.now()
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > at)
+
+
+class ApiToken(models.Model):
+    """A management-API token (``/api/v1/``, sent as ``Authorization: Token …`` or
+    ``Bearer …``). Like an API key's secret, the token is returned once, by the token
+    endpoint, and only its peppered HMAC is stored. It expires
+    ``FAIRWAY_API_TOKEN_MAX_AGE_H`` hours after ``created_at`` (``tenants.authentication``);
+    revoking it deletes the row."""
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens"
+    )
+    prefix = models.CharField(max_length=16, help_text="Visible start of the token.")
+    token_hash = models.CharField(max_length=64, unique=True, editable=False)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["user", "created_at"])]
+        verbose_name = "management-API token"
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.user})"
+
+    def is_expired(self, now: datetime | None = None) -> bool:
+        return self.created_at <= api_token_cutoff(now)
+
+
+def api_token_cutoff(now: datetime | None = None) -> datetime:
+    """Management-API tokens created at or before this time have expired."""
+    max_age = timedelta(hours=float(settings.FAIRWAY_API_TOKEN_MAX_AGE_H))
+    return (now or timezone.now()) - max_age
 
 
 class TenantModelLimit(LimitFields):

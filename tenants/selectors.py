@@ -18,8 +18,9 @@ from django.http import Http404
 
 from catalog.models import ModelFamily
 from tenants.limits import EffectiveLimit, effective_limits
-from tenants.models import ApiKey, ApiKeyModelLimit, Membership, Role, Tenant
+from tenants.models import ApiKey, ApiKeyModelLimit, ApiToken, Membership, Role, Tenant
 from tenants.permissions import is_operator
+from tenants.services import api_token_hash
 
 OPERATOR = "operator"
 # Who may do what. Billing members see invoices only (billing/ checks its own pages), so they
@@ -190,3 +191,13 @@ def api_key_limit_get(*, api_key: ApiKey, family: str) -> KeyLimit:
     if limit is None:
         raise Http404
     return limit
+
+
+# -- management-API tokens ----------------------------------------------------------------
+
+
+def api_token_for_secret(*, secret: str) -> ApiToken | None:
+    """The token a caller presents, with its user, expired or not. Found by its digest in a
+    unique index: the secret itself is never compared, so no timing says how much of it
+    matched."""
+    return ApiToken.objects.select_related("user").filter(token_hash=api_token_hash(secret)).first()

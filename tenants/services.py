@@ -1,4 +1,4 @@
-"""Writes for plans, tenants, members, API keys and limits.
+"""Writes for plans, tenants, members, API keys, management-API tokens and limits.
 
 ``<entity>_<action>``, keyword-only, typed, atomic, ``full_clean()`` before ``save()``.
 Read-model pushes are not called here: the signal hooks schedule them after commit for every
@@ -7,13 +7,15 @@ write path (see ``readmodel_hooks``).
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
@@ -28,6 +30,7 @@ from tenants.models import (
     LIMIT_FIELDS,
     ApiKey,
     ApiKeyModelLimit,
+    ApiToken,
     LimitFields,
     Membership,
     Plan,
@@ -35,6 +38,7 @@ from tenants.models import (
     Role,
     Tenant,
     TenantModelLimit,
+    api_token_cutoff,
 )
 
 VISIBLE_PREFIX_CHARS = 8
@@ -303,6 +307,81 @@ def api_key_last_used_record(*, seen: dict[str, datetime]) -> int:
             ApiKey.objects.filter(pk=key_id).exclude(last_used_at__gte=at).update(last_used_at=at)
         )
     return updated
+
+
+# -- management-API tokens ----------------------------------------------------------------
+
+API_TOKEN_PREFIX = "fwt-"  # noqa: S105 - the public start of every token, not a secret
+# A token's last_used_at moves at most this often: one small write a minute per token in
+# use, not one per request.
+API_TOKEN_LAST_USED_RESOLUTION = timedelta(seconds=60)
+
+
+def api_token_hash(secret: str) -> str:
+    """What is stored of a management-API token: the API keys' HMAC, with the same pepper."""
+    return hash_api_key(secret, key_pepper())
+
+
+def api_token_generate_secret() -> str:
+    return API_TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+@transaction.atomic
+def api_token_create(*, user: AbstractBaseUser) -> tuple[ApiToken, str]:
+    """A new management-API token for ``user``: returns it and its plaintext, which is not
+    stored and cannot be shown again. Each caller gets its own token (a stored digest cannot
+    be handed out twice), so the user's expired tokens are deleted here, and so are the
+    oldest live ones beyond ``FAIRWAY_API_TOKENS_PER_USER``."""
+    # The user's row lock serialises concurrent creations, so the cap cannot be raced past.
+    get_user_model().objects.select_for_update().filter(pk=user.pk).first()
+    mine = ApiToken.objects.filter(user=user)
+    mine.filter(created_at__lte=api_token_cutoff()).delete()
+    keep = max(int(settings.FAIRWAY_API_TOKENS_PER_USER), 1) - 1  # room for the new one
+    surplus = list(mine.order_by("-created_at", "-pk").values_list("pk", flat=True)[keep:])
+    if surplus:
+        ApiToken.objects.filter(pk__in=surplus).delete()
+    secret = api_token_generate_secret()
+    token = ApiToken(
+        user=user,
+        prefix=secret[: len(API_TOKEN_PREFIX) + VISIBLE_PREFIX_CHARS],
+        token_hash=api_token_hash(secret),
+    )
+    token.full_clean()
+    token.save()
+    return token, secret
+
+
+@transaction.atomic
+def api_token_revoke(*, token: ApiToken) -> bool:
+    """Revoking deletes the row (nothing of the token is kept). Idempotent."""
+    deleted, _ = ApiToken.objects.filter(pk=token.pk).delete()
+    return deleted > 0
+
+
+@transaction.atomic
+def api_token_revoke_all(*, user: AbstractBaseUser) -> int:
+    """Every management-API token of ``user``; returns how many there were."""
+    deleted, _ = ApiToken.objects.filter(user=user).delete()
+    return deleted
+
+
+@transaction.atomic
+def api_token_expired_delete() -> int:
+    """Delete every expired management-API token (they are refused anyway); returns how
+    many."""
+    deleted, _ = ApiToken.objects.filter(created_at__lte=api_token_cutoff()).delete()
+    return deleted
+
+
+@transaction.atomic
+def api_token_last_used_record(*, token: ApiToken, at: datetime) -> bool:
+    """Move the token's last-used stamp forward to ``at`` unless it was stamped within the
+    resolution before it (never back). Returns whether the row changed."""
+    return bool(
+        ApiToken.objects.filter(pk=token.pk)
+        .exclude(last_used_at__gt=at - API_TOKEN_LAST_USED_RESOLUTION)
+        .update(last_used_at=at)
+    )
 
 
 # -- per-key limits -----------------------------------------------------------------------

@@ -2,15 +2,15 @@
 
 Django's own user and group pages let whoever may change users or groups
 (``auth.change_user``, ``auth.change_group``) grant any permission, superuser status
-included, to any account, their own too, and its API-token pages show every management
-token's key to whoever may view them, which is acting as that user through the API. Here,
-for anyone but a superuser:
+included, to any account, their own too. Here, for anyone but a superuser:
 
 - an account's superuser flag, groups and own permissions, and a group's permissions, are
   read-only (the rest of the account, such as its name or active flag, stays editable with
   the model permission);
 - a superuser's account cannot be changed or deleted (its password would be a takeover);
-- the management-token pages are closed (tokens are obtained through the API and expire).
+- the management-API token pages are closed. A superuser sees each token's prefix, user and
+  times (never the token: only its digest is stored, and that is not shown either) and
+  revokes tokens by deleting them; tokens are issued by the API only (``tenants.auth``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from django.contrib import admin
 from django.contrib.auth.admin import GroupAdmin, UserAdmin
 from django.contrib.auth.models import Group, User
 from django.http import HttpRequest
-from rest_framework.authtoken.admin import TokenAdmin
-from rest_framework.authtoken.models import TokenProxy
+
+from tenants.models import ApiToken
 
 USER_POWERS = ("is_superuser", "groups", "user_permissions")
 
@@ -55,7 +55,14 @@ class StaffGroupAdmin(GroupAdmin):
         return fields if _superuser(request) else (*fields, "permissions")
 
 
-class SuperuserTokenAdmin(TokenAdmin):
+class SuperuserApiTokenAdmin(admin.ModelAdmin):
+    list_display = ("prefix", "user", "created_at", "last_used_at")
+    list_select_related = ("user",)
+    search_fields = ("prefix", "user__username", "user__email")
+    # token_hash is deliberately in no field list.
+    fields = ("prefix", "user", "created_at", "last_used_at")
+    readonly_fields = fields
+
     def has_module_permission(self, request: HttpRequest) -> bool:
         return _superuser(request)
 
@@ -63,21 +70,21 @@ class SuperuserTokenAdmin(TokenAdmin):
         return _superuser(request)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
-        return _superuser(request)
+        return False  # issued by POST /api/v1/auth/token/, which shows the token once
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return _superuser(request)
+        return False
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return _superuser(request)
+        return _superuser(request)  # deleting is revoking
 
 
 def register(site: admin.AdminSite) -> None:
-    """Replace Django's and DRF's registrations (their apps' admins load first)."""
+    """Replace Django's registrations (its apps' admins load first); add the tokens'."""
     for model, model_admin in (
         (User, StaffUserAdmin),
         (Group, StaffGroupAdmin),
-        (TokenProxy, SuperuserTokenAdmin),
+        (ApiToken, SuperuserApiTokenAdmin),
     ):
         if site.is_registered(model):
             site.unregister(model)

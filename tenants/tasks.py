@@ -45,6 +45,12 @@ def readmodel_check() -> int:
     return len(model.rebuild().changed)
 
 
+@shared_task(name="tenants.tasks.api_tokens_expired_delete", ignore_result=True)
+def api_tokens_expired_delete() -> int:
+    """Expired management-API tokens are refused; their rows go here (hourly)."""
+    return services.api_token_expired_delete()
+
+
 @shared_task(name="tenants.tasks.api_key_last_used_flush", ignore_result=True)
 def api_key_last_used_flush() -> int:
     """Move the gateways' last-used stamps (key_id -> unix seconds) into the database."""

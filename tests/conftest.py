@@ -7,13 +7,21 @@ unless KAFKA_BOOTSTRAP points at one.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import redis
+from hypothesis import settings
 
 from fairway.embedded import EmbeddedServices
 from tests.support import flushed_redis
+
+# Property tests draw the same examples on every run, so a red CI is reproducible and never a
+# draw of luck; HYPOTHESIS_PROFILE=explore draws fresh examples when hunting for new failures.
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

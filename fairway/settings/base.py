@@ -37,7 +37,6 @@ INSTALLED_APPS = [
     "django.contrib.humanize",
     "axes",
     "rest_framework",
-    "rest_framework.authtoken",
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "catalog",
@@ -220,6 +219,11 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": timedelta(seconds=FAIRWAY_LAST_USED_FLUSH_S),
         "options": {"expires": FAIRWAY_LAST_USED_FLUSH_S},
     },
+    "api-tokens-expired-delete": {
+        "task": "tenants.tasks.api_tokens_expired_delete",
+        "schedule": timedelta(hours=1),
+        "options": {"expires": 3600},
+    },
     # Hourly, so tomorrow's partition exists long before midnight UTC and a missed run
     # is repaired within the hour (the consumer also creates a day on demand).
     "request-log-partitions": {
@@ -278,8 +282,11 @@ FAIRWAY_REPLICA_ALLOWED_HOSTS = env_list(
 # The most unrevoked API keys one tenant may hold.
 FAIRWAY_MAX_KEYS_PER_TENANT = env_int("FAIRWAY_MAX_KEYS_PER_TENANT", 100)
 
-# Management-API tokens are refused (and deleted) once this old; sign in again for a new one.
+# Management-API tokens are refused once this old; sign in again for a new one. Only their
+# HMAC is stored (tenants.models.ApiToken); expired rows are deleted hourly.
 FAIRWAY_API_TOKEN_MAX_AGE_H = env_int("FAIRWAY_API_TOKEN_MAX_AGE_H", 24)
+# Each obtain issues a new token; a user keeps at most this many (the oldest go first).
+FAIRWAY_API_TOKENS_PER_USER = env_int("FAIRWAY_API_TOKENS_PER_USER", 20)
 # Password checks at /api/v1/auth/token/, per client address (DRF rate syntax).
 FAIRWAY_AUTH_TOKEN_RATE = env_str("FAIRWAY_AUTH_TOKEN_RATE", "10/min")
 # Throttle counters live in Redis so every web process shares them (a plain Redis: Django's

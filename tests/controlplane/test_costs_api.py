@@ -8,7 +8,6 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from billing.pricing import token_cost
@@ -365,8 +364,8 @@ def test_openai_sdk_admin_client_reads_usage_and_costs(
         DataResultOrganizationCostsResult,
     )
 
-    token = Token.objects.create(user=owner_a)
-    client = OpenAI(api_key="unused", admin_api_key=token.key, base_url=f"{live_server.url}/api/v1")
+    _, token = services.api_token_create(user=owner_a)
+    client = OpenAI(api_key="unused", admin_api_key=token, base_url=f"{live_server.url}/api/v1")
     usage = client.admin.organization.usage.completions(
         start_time=T0, end_time=T0 + 3 * DAY, group_by=["model"], models=[priced["m70"]]
     )

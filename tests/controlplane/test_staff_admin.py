@@ -1,5 +1,6 @@
 """Only a superuser raises an account's powers in the admin: whoever may change users or
-groups edits accounts, not their permissions, and management-token keys are not shown."""
+groups edits accounts, not their permissions, and only a superuser sees or revokes
+management-API tokens (never their secret)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import Group, Permission
 from django.test import Client
-from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+from tenants import services
 
 from .conftest import grant
 
@@ -21,8 +24,8 @@ ACCOUNT_MANAGER = (
     "auth.delete_user",
     "auth.view_group",
     "auth.change_group",
-    "authtoken.view_tokenproxy",
-    "authtoken.add_tokenproxy",
+    "tenants.view_apitoken",
+    "tenants.delete_apitoken",
 )
 
 
@@ -106,10 +109,17 @@ def test_an_account_manager_edits_accounts_but_cannot_grant_powers(
     assert admin.post(f"/admin/auth/user/{root.pk}/password/", {}).status_code == 403
     root.refresh_from_db()
     assert root.is_active
-    # ... and so are management tokens: their keys would let it act as their users.
-    Token.objects.create(user=root)
-    assert admin.get("/admin/authtoken/tokenproxy/").status_code == 403
-    assert admin.get("/admin/authtoken/tokenproxy/add/").status_code == 403
+    # ... and so are management-API tokens: revoking another account's access is a
+    # superuser's call.
+    token, _ = services.api_token_create(user=root)
+    assert admin.get("/admin/tenants/apitoken/").status_code == 403
+    assert admin.get("/admin/tenants/apitoken/add/").status_code == 403
+    assert admin.get(f"/admin/tenants/apitoken/{token.pk}/change/").status_code == 403
+    assert (
+        admin.post(f"/admin/tenants/apitoken/{token.pk}/delete/", {"post": "yes"}).status_code
+        == 403
+    )
+    assert services.api_token_revoke(token=token)  # it was still there
 
 
 def test_a_superuser_still_grants_powers_and_sees_tokens(make_user: Callable[..., Any]) -> None:
@@ -123,4 +133,20 @@ def test_a_superuser_still_grants_powers_and_sees_tokens(make_user: Callable[...
     )
     assert page.status_code == 302, page.context and page.context["adminform"].form.errors
     assert someone.user_permissions.filter(pk=operate.pk).exists()
-    assert admin.get("/admin/authtoken/tokenproxy/").status_code == 200
+
+    # Tokens: listed by prefix, never the token nor its digest; deleting one revokes it.
+    token, secret = services.api_token_create(user=someone)
+    listed = admin.get("/admin/tenants/apitoken/")
+    assert listed.status_code == 200 and token.prefix.encode() in listed.content
+    shown = admin.get(f"/admin/tenants/apitoken/{token.pk}/change/")
+    assert shown.status_code == 200
+    for page in (listed, shown):
+        assert secret.encode() not in page.content
+        assert token.token_hash.encode() not in page.content
+    assert admin.get("/admin/tenants/apitoken/add/").status_code == 403  # issued by the API
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Token {secret}")
+    assert api.get("/api/v1/tenants/").status_code == 200
+    deleted = admin.post(f"/admin/tenants/apitoken/{token.pk}/delete/", {"post": "yes"})
+    assert deleted.status_code == 302
+    assert api.get("/api/v1/tenants/").status_code == 401

@@ -22,11 +22,10 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 
-from bench.prefix_gateway import Turn, converse
+from bench.prefix_gateway import Turn, conversations_over
 from contracts import schema
 from contracts.replica_flags import platform_replica_args
 from emulator.testing import SpawnedEmulator, spawn_emulator
@@ -102,30 +101,18 @@ def run_arm(
         # each conversation its own history: the replica holding it is the only one
         # with a cached prefix (shared system prompts are the simulation's subject)
         systems = [" ".join(f"sys{c}x{i}" for i in range(300)) for c in range(4)]
-        base = f"http://127.0.0.1:{gw.port}"
-
-        async def go() -> list[list[Turn]]:
-            async with httpx.AsyncClient(timeout=60) as client:
-                return list(
-                    await asyncio.gather(
-                        *(
-                            converse(
-                                client,
-                                base,
-                                tenants[c % 2].auth,
-                                MODEL,
-                                systems[c],
-                                turns=5,
-                                seed=c,
-                                user_words=(150, 250),
-                                max_tokens=16,
-                            )
-                            for c in range(4)
-                        )
-                    )
-                )
-
-        convs = asyncio.run(go())
+        convs = asyncio.run(
+            conversations_over(
+                gw.base_url,
+                [t.auth for t in tenants],
+                MODEL,
+                systems,
+                len(systems),
+                turns=5,
+                user_words=(150, 250),
+                max_tokens=16,
+            )
+        )
         total = sum(len(c) for c in convs)
 
         def all_events() -> dict[str, dict[str, object]] | None:

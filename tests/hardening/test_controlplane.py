@@ -18,13 +18,13 @@ from django.core.cache import caches
 from django.core.exceptions import ValidationError
 from django.test import Client
 from django.utils import timezone
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from catalog import services as catalog_services
 from catalog.models import ModelVersion, Replica
 from gateway.config import ConfigError, GatewayConfig
-from tenants.models import ApiKey, Membership, Role, Tenant
+from tenants import services
+from tenants.models import ApiKey, ApiToken, Membership, Role, Tenant
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -162,7 +162,9 @@ def test_tokens_expire_and_a_new_one_is_issued(
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"{scheme} {key}")
     assert client.get(path).status_code == 200
-    Token.objects.filter(key=key).update(created=timezone.now() - timedelta(hours=25))
+    ApiToken.objects.filter(token_hash=services.api_token_hash(key)).update(
+        created_at=timezone.now() - timedelta(hours=25)
+    )
     expired = client.get(path)
     assert expired.status_code == 401
     assert expired.json()["error"]["code"] == "token_expired"

@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 import pytest
+import redis
 from django.db import connection
 
 from catalog.models import ModelVersion
@@ -27,7 +28,8 @@ from fairway.embedded import EmbeddedServices
 from metering.consumer import ConsumerConfig, UsageConsumer
 from metering.models import Usage
 from tenants.models import Plan, Tenant
-from tests.support import ROOT, wait_until
+from tests.gateway.conftest import start_gateway
+from tests.support import ROOT, LaunchedGateway, wait_until
 
 VERSION = "llama-8b-2026-05"
 
@@ -147,6 +149,42 @@ def consumers(ingest_kafka: str, topic: str) -> Iterator[Callable[..., UsageCons
     yield start
     for consumer in started:
         consumer.stop()
+
+
+@dataclass(frozen=True)
+class Metered:
+    """Gateways' usage events on their way into ``usage``: this test's topic on the package's
+    broker with the consumer on it, the control plane's read model in this Redis DB."""
+
+    redis_url: str
+    kafka: str
+    topic: str
+    tmp: Path
+
+    def gateway(
+        self, *, extra_env: dict[str, str] | None = None, **options: Any
+    ) -> LaunchedGateway:
+        """A gateway process (``start_gateway``'s options) sending its usage events to the
+        topic."""
+        env = {"GATEWAY_USAGE_TOPIC": self.topic, **(extra_env or {})}
+        return start_gateway(self.tmp, self.redis_url, self.kafka, extra_env=env, **options)
+
+
+@pytest.fixture
+def metered(
+    transactional_db: None,
+    settings: Any,
+    rdb: redis.Redis,
+    redis_url: str,
+    ingest_kafka: str,
+    topic: str,
+    consumers: Callable[..., UsageConsumer],
+    tmp_path: Path,
+) -> Metered:
+    """The control plane on the test database pushing to ``redis_url``; a consumer started."""
+    settings.REDIS_URL = redis_url
+    consumers()
+    return Metered(redis_url, ingest_kafka, topic, tmp_path)
 
 
 def usage_totals(**filters: Any) -> dict[str, int]:

@@ -53,6 +53,25 @@ def test_ingest_bench_smoke(redis_url: str, tmp_path: Path) -> None:
     assert "lag 0)" in report
 
 
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_prefix_invoice_bench_smoke(redis_url: str, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "KAFKA_BOOTSTRAP")}
+    env.update({"BENCH_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)})
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    out = tmp_path / "prefix_invoice.md"
+    out.write_text("# earlier runs\n")
+    argv = [sys.executable, "-m", "bench.prefix_invoice", "--sizes", "2", "--turns", "2"]
+    argv += ["--conversations-per-replica", "1", "--speed", "20", "--out", str(out), "--append"]
+    argv += ["--db-name", f"fairway_prefix_invoice_smoke_{os.getpid()}"]
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = out.read_text()
+    assert report.startswith("# earlier runs\n\n---\n\nRun ")
+    assert "## 2 replicas" in report and "| requests | 4 | 4 |" in report
+    assert "| lines bill the clients' usage | yes | yes |" in report
+
+
 EARLIER = """# Usage ingestion: Kafka → committed PostgreSQL rows
 
 `python -m bench.ingest` on 2 CPU cores, load average (1 min) 3.5 at the start and 3.6 at the

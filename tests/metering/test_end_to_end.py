@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import redis
 from django.core.management import call_command
 from django.db import connection
 from django.utils import timezone
@@ -28,11 +27,10 @@ from billing.services import invoice_draft_build
 from catalog.models import ModelVersion
 from catalog.selectors import price_in_force
 from emulator.testing import SpawnedEmulator, spawn_emulator
-from metering.consumer import UsageConsumer
 from tenants.models import Tenant
 from tenants.readmodel import read_model
-from tests.gateway.conftest import set_faults, start_gateway
-from tests.metering.conftest import usage_totals
+from tests.gateway.conftest import set_faults
+from tests.metering.conftest import Metered, usage_totals
 from tests.support import wait_until
 
 pytestmark = pytest.mark.kafka
@@ -94,19 +92,10 @@ def _stream_usage(response: httpx.Response) -> tuple[dict[str, Any] | None, int]
 
 
 def test_gateway_to_invoice_totals_equal_what_the_clients_received(
-    transactional_db: None,
-    settings: Any,
-    rdb: redis.Redis,
-    redis_url: str,
-    ingest_kafka: str,
-    topic: str,
-    consumers: Callable[..., UsageConsumer],
-    replica: SpawnedEmulator,
-    tmp_path: Path,
+    metered: Metered, settings: Any, replica: SpawnedEmulator, tmp_path: Path
 ) -> None:
-    tenant_id, secret = seed_demo_standard(settings, redis_url, replica, tmp_path)
-    consumers()
-    gw = start_gateway(tmp_path, redis_url, ingest_kafka, extra_env={"GATEWAY_USAGE_TOPIC": topic})
+    tenant_id, secret = seed_demo_standard(settings, metered.redis_url, replica, tmp_path)
+    gw = metered.gateway()
     auth = {"authorization": f"Bearer {secret}"}
     received: list[dict[str, Any]] = []
     try:

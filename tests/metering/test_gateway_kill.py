@@ -7,19 +7,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import redis
 from django.db import connection
 
 from emulator.testing import SpawnedEmulator, spawn_emulator
-from metering.consumer import UsageConsumer
-from tests.gateway.conftest import start_gateway
-from tests.metering.conftest import usage_totals
+from tests.metering.conftest import Metered, usage_totals
 from tests.metering.test_end_to_end import seed_demo_standard, sse_lines
 from tests.support import wait_until
 
@@ -45,20 +42,10 @@ def _rows(request_id: str) -> list[tuple[Any, ...]]:
 
 
 def test_a_stream_cut_off_by_a_sigkill_is_billed_once_after_adoption(
-    transactional_db: None,
-    settings: Any,
-    rdb: redis.Redis,
-    redis_url: str,
-    ingest_kafka: str,
-    topic: str,
-    consumers: Callable[..., UsageConsumer],
-    slow_replica: SpawnedEmulator,
-    tmp_path: Path,
+    metered: Metered, settings: Any, slow_replica: SpawnedEmulator, tmp_path: Path
 ) -> None:
-    tenant_id, secret = seed_demo_standard(settings, redis_url, slow_replica, tmp_path)
-    consumers()
-    env = {"GATEWAY_USAGE_TOPIC": topic}
-    doomed = start_gateway(tmp_path, redis_url, ingest_kafka, extra_env=env)
+    tenant_id, secret = seed_demo_standard(settings, metered.redis_url, slow_replica, tmp_path)
+    doomed = metered.gateway()
     body = {
         "model": "llama-8b",
         "stream": True,
@@ -94,9 +81,7 @@ def test_a_stream_cut_off_by_a_sigkill_is_billed_once_after_adoption(
         time.sleep(2.0)
         assert _rows(request_id) == []  # the dead process never wrote its event
         # A successor on the same spool directory adopts the dead process's spool.
-        successor = start_gateway(
-            tmp_path, redis_url, ingest_kafka, extra_env=env, spool_dir=doomed.spool_dir
-        )
+        successor = metered.gateway(spool_dir=doomed.spool_dir)
         wait_until(lambda: len(_rows(request_id)) == 1, 40, interval=0.2, what="billed")
         ((finish, status, prompt, completion),) = _rows(request_id)
         # A failed stream (metering/rules.py): status 200 from its first byte on, the prompt

@@ -3,8 +3,10 @@ a demo API key, an operator and a finance account for the console, and a few wee
 usage per demo tenant (with its invoices) so the console's charts and invoices are not empty.
 Idempotent; see tenants/demo.py for the numbers.
 
-API-key secrets cannot be recovered, so a key is minted only when the keys file lacks a
-usable one for that tenant; the file (mode 0600) is the only place the secrets live.
+API-key secrets and management-API tokens cannot be recovered (only their digests are
+stored), so a key or token is minted only when the keys file lacks a usable one for that
+tenant or user (a token expires after FAIRWAY_API_TOKEN_MAX_AGE_H hours); the file (mode
+0600) is the only place the secrets live.
 """
 
 from __future__ import annotations
@@ -20,13 +22,12 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
-from rest_framework.authtoken.models import Token
 
 from catalog import services as catalog_services
 from catalog.models import ModelFamily, ModelVersion, Replica
 from catalog.replica import replica_name
 from contracts.schema import SCOPES, hash_api_key
-from tenants import services
+from tenants import selectors, services
 from tenants.demo import MODELS, PLANS, demo_usage_rows, plan_limits
 from tenants.models import ApiKey, Membership, Plan, Role, Tenant
 
@@ -207,24 +208,22 @@ class Command(BaseCommand):
             _, secret = services.api_key_create(
                 tenant=tenant, name="demo key", scopes=SCOPES, created_by=owner
             )
-        token, _ = Token.objects.get_or_create(user=owner)
         return {
             "key": secret,
             "tenant_id": str(tenant.id),
             "plan": plan.name,
             "owner": owner.username,
             "owner_password": new_password or previous.get("owner_password", "(unchanged)"),
-            "owner_token": token.key,
+            "owner_token": self._token(owner, previous.get("owner_token")),
         }
 
     def _operator(self, previous: dict[str, Any], password: str) -> dict[str, Any]:
         user, new_password = self._user(OPERATOR, password, is_staff=True, is_superuser=True)
         self._grant(user, "tenants", "operate")
-        token, _ = Token.objects.get_or_create(user=user)
         return {
             "username": user.username,
             "password": new_password or previous.get("password", "(unchanged)"),
-            "token": token.key,
+            "token": self._token(user, previous.get("token")),
         }
 
     def _finance(self, previous: dict[str, Any], password: str) -> dict[str, Any]:
@@ -268,6 +267,14 @@ class Command(BaseCommand):
             Usage.objects.bulk_create(rows)
             written += len(rows)
         return written
+
+    @staticmethod
+    def _token(user: Any, previous: str | None) -> str:
+        """The file's management-API token of ``user`` while it works, else a new one."""
+        token = selectors.api_token_for_secret(secret=previous) if previous else None
+        if token is not None and token.user_id == user.pk and not token.is_expired():
+            return str(previous)
+        return services.api_token_create(user=user)[1]
 
     @staticmethod
     def _usable(secret: str, tenant: Tenant) -> bool:
