@@ -139,11 +139,17 @@ def start_replicas(
     seed: int,
     extra: dict[str, Any] | None = None,  # more SpawnedEmulator options
     omit_platform_flags: Sequence[str] = (),
+    request_log_dir: Path | None = None,
 ) -> list[Replica]:
     """Start one emulator per pool entry, in parallel (each prints its URL when ready), with
-    the platform's replica flags (``contracts.replica_flags``) less ``omit_platform_flags``."""
+    the platform's replica flags (``contracts.replica_flags``) less ``omit_platform_flags``;
+    with ``request_log_dir``, replica ``r<i>`` logs its finished requests to
+    ``r<i>.jsonl`` there (the emulator's ``--request-log``)."""
     procs = []
     for i, _pool in enumerate(pools):
+        log_args = (
+            ["--request-log", str(request_log_dir / f"r{i}.jsonl")] if request_log_dir else []
+        )
         procs.append(
             SpawnedEmulator(
                 profile.name,
@@ -153,6 +159,7 @@ def start_replicas(
                     "--profile-file",
                     str(profile_file),
                     *platform_replica_args(omit=omit_platform_flags),
+                    *log_args,
                 ],
                 seed=seed + i,
                 log_level="error",

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import math
 import resource
 import shutil
@@ -150,6 +151,10 @@ class NNConfig:
     free_rps: float = 1.0
     noisy_rps: float = 0.4  # each noisy tenant
     noisy_tenants: int = 1  # standard tenants flooding 128k prompts at once, each in its limits
+    # Diagnostics (``--trace-dir``): per arm, each replica's finished requests (the emulator's
+    # ``--request-log``), the gateway's usage events (request, tenant, replica, TTFT) and the
+    # load generator's outcomes, under ``<trace_dir>/s<seed>-n<noisy>-<arm>/``.
+    trace_dir: str = ""
     # Plan limits follow one written rule (bench/README.md), fixed before any run: twice
     # the p99 need of a tenant sending the plan's nominal traffic with the docs/design.md §2 shape
     # (standard 3.5 req/s, enterprise 2, free 1; tokens/min and in-flight KV·seconds at the
@@ -375,6 +380,12 @@ def run_arm(
     started = time.perf_counter()
     cpu_before = _cpu_seconds()
     version = f"{FAMILY}-bench"
+    trace = (
+        Path(cfg.trace_dir) / f"s{cfg.seed}-n{cfg.noisy_tenants}-{arm}" if cfg.trace_dir else None
+    )
+    if trace is not None:
+        shutil.rmtree(trace, ignore_errors=True)
+        trace.mkdir(parents=True)
     shared: list[schema.Pool] = ["shared"] * cfg.shared_replicas
     reserved: list[schema.Pool] = ["reserved"] * cfg.reserved_replicas
     pools = shared + reserved
@@ -388,6 +399,7 @@ def run_arm(
         extra={"long_prefill_token_threshold": cfg.long_prefill_tokens},
         # The operator who forgot the flag: vLLM's default fcfs, priorities ignored.
         omit_platform_flags=("--scheduling-policy",) if arm == "fcfs" else (),
+        request_log_dir=trace,
     )
     gw: cluster.Gateway | None = None
     try:
@@ -424,6 +436,8 @@ def run_arm(
     finally:
         if gw is not None:
             gw.stop()
+            if trace is not None:
+                _keep_spool(gw, workdir, trace)
         cluster.stop_replicas(replicas)
     # CPU of everything the arm ran (replicas, gateway, load generator) once they are reaped.
     cpu = _cpu_seconds() - cpu_before
@@ -433,6 +447,10 @@ def run_arm(
         for raw in raws
         if raw.spec.at_s >= cfg.warmup_s
     ]
+    if trace is not None:
+        with (trace / "outcomes.jsonl").open("w") as f:
+            for o in outcomes:
+                f.write(json.dumps(dataclasses.asdict(o)) + "\n")
     return ArmResult(
         arm=arm, outcomes=outcomes, traces=traces,
         preemptions=sum(t.preemptions for t in traces.values()),
@@ -440,6 +458,15 @@ def run_arm(
         chunks_per_s=sum(r.chunks for r in raws) / max(drive_s, 1e-9),
         cpu_cores=cpu / max(time.perf_counter() - started, 1e-9),
     )  # fmt: skip
+
+
+def _keep_spool(gw: cluster.Gateway, workdir: Path, trace: Path) -> None:
+    """Copy the gateway's usage spool (one event per admitted request: its replica, its
+    TTFT as the gateway saw it) into ``trace`` before the workdir goes."""
+    port = gw.base_url.rsplit(":", 1)[1]
+    spool = workdir / f"spool-{port}"
+    if spool.is_dir():
+        shutil.copytree(spool, trace / "spool", dirs_exist_ok=True)
 
 
 def _cpu_seconds() -> float:
@@ -523,8 +550,17 @@ def main(argv: list[str] | None = None) -> int:
         "replica profile at the design's utilisation (bench/nn_capacity.py)",
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--trace-dir",
+        default="",
+        help="keep per-request diagnostics of every arm here: each replica's finished "
+        "requests, the gateway's usage events, the load generator's outcomes "
+        "(bench/nn_trace.py reads them)",
+    )
     args = ap.parse_args(argv)
     cfg = NNConfig.smoke() if args.smoke else NNConfig()
+    if args.trace_dir:
+        cfg = dataclasses.replace(cfg, trace_dir=str(Path(args.trace_dir).resolve()))
     if args.seed is not None:
         cfg = dataclasses.replace(cfg, seed=args.seed)
     if args.speed is not None:

@@ -17,7 +17,11 @@ Arms:
 * ``P2C``: the gateway's default before this change;
 * ``cache-aware``: ``strategy=cache_aware``, the index fed by the router's own dispatches;
 * ``cache-aware, N gateways``: N routers (one per gateway process, requests spread over
-  them round robin), each with its own dispatch-fed index;
+  them round robin: per request, the worst case), each with its own dispatch-fed index;
+* ``cache-aware, N gateways, per connection``: the same N routers, each request through the
+  process its client's keep-alive connection was accepted by (``ClientConnections``): the
+  gateway's ``--workers`` share one listening socket, so a process is chosen per connection,
+  not per request;
 * ``cache-aware, N gateways + KV events``: the same, each index also fed by every
   replica's KV-cache events (what the ZMQ subscriber applies);
 * ``perfect affinity``: each tenant pinned to one replica (tenant i -> replica i mod n) —
@@ -36,6 +40,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
@@ -106,6 +111,104 @@ class Arm:
     # ``affinity_conversation_latest``: a turn follows the one before it when this process
     # placed that one (the gateway's), else (before) goes to its conversation's replica
     latest: bool = True
+    # How requests reach the N gateway processes: "" per request, round robin (the worst
+    # case); "pool": each client holds ``pool`` keep-alive connections, a request on a random
+    # one of them; "httpx": the openai SDK's pool (``ClientConnections``)
+    connections: str = ""
+    pool: int = 0
+    recycle: int = 0  # a connection is closed after this many requests (0: never)
+    keepalive_s: float = 0.0  # an idle connection is closed after this long (0: never)
+    # whose pool a request goes out on: its tenant's (an application's backend) or its
+    # conversation's (a client per end user's session)
+    clients: str = "tenant"
+
+
+@dataclass(slots=True)
+class _Connection:
+    process: int
+    uses: int = 0
+    busy: int = 0
+    idle_since: float = 0.0
+
+
+class ClientConnections:
+    """Clients' keep-alive connections to N gateway processes sharing one listening socket
+    (``gateway/serving/supervisor.py``): the process that accepts a connection serves every
+    request sent on it, so a process is drawn per connection (at random, as the kernel's
+    accept queue and a load balancer's least-connections pick are, to the client), not
+    per request.
+
+    A client is a tenant (``Arm.clients``): in this workload a tenant is an application whose
+    backend sends all its conversations' turns with its API key through one SDK client; or,
+    the most a client can do for affinity, a conversation (an SDK client per end user's
+    session). Two pool models:
+
+    * ``pool`` > 0: ``pool`` connections per client, opened on its first request; a request
+      takes a random one of them (busy or not: as HTTP/2 multiplexes, and pessimistic
+      against HTTP/1.1 pools, which reuse the first idle one);
+    * ``pool`` == 0 (``httpx``, the openai SDK's pool, httpcore 1.0): a request takes the
+      first idle connection in the order they were opened, else opens a new one (HTTP/1.1:
+      one request at a time on a connection); the SDK's limits (1,000 connections) never
+      bind here.
+
+    Either way a connection is reopened (on a fresh random process) after ``recycle``
+    requests, and when it has been idle longer than ``keepalive_s`` (the SDK's
+    ``keepalive_expiry`` is 5 s; the gateway's server keeps idle connections 30 s).
+    """
+
+    def __init__(
+        self,
+        processes: int,
+        rng: random.Random,
+        *,
+        pool: int = 0,
+        recycle: int = 0,
+        keepalive_s: float = 0.0,
+    ) -> None:
+        self.processes = processes
+        self.pool = pool
+        self.recycle = recycle
+        self.keepalive_s = keepalive_s
+        self._rng = rng
+        self._clients: dict[Hashable, list[_Connection]] = {}
+        self.opened = 0
+        self.requests = 0
+
+    def _open(self) -> _Connection:
+        self.opened += 1
+        return _Connection(self._rng.randrange(self.processes))
+
+    def _expired(self, conn: _Connection, now: float) -> bool:
+        idle = conn.busy == 0 and self.keepalive_s > 0 and now - conn.idle_since > self.keepalive_s
+        return idle or (self.recycle > 0 and conn.uses >= self.recycle)
+
+    def acquire(self, client: Hashable, now: float) -> _Connection:
+        """The connection the client's next request goes out on (``release`` it when the
+        response ends)."""
+        conns = self._clients.setdefault(client, [])
+        if self.pool > 0:
+            if not conns:
+                conns.extend(self._open() for _ in range(self.pool))
+            i = self._rng.randrange(self.pool)
+            if self._expired(conns[i], now):
+                conns[i] = self._open()
+            conn = conns[i]
+        else:
+            conns[:] = [c for c in conns if not self._expired(c, now)]
+            idle = next((c for c in conns if c.busy == 0), None)
+            if idle is None:
+                idle = self._open()
+                conns.append(idle)
+            conn = idle
+        self.requests += 1
+        conn.uses += 1
+        conn.busy += 1
+        return conn
+
+    def release(self, conn: _Connection, now: float) -> None:
+        conn.busy -= 1
+        if conn.busy == 0:
+            conn.idle_since = now
 
 
 @dataclass(slots=True)
@@ -123,6 +226,11 @@ class Result:
     requests: int = 0
     wall_s: float = 0.0
     index_blocks: int = 0
+    connections: int = 0  # opened over the run (per-connection arms)
+    connection_requests: int = 0  # sent on them, warm-up included
+    # later turns (after the warm-up), and those through the process of the turn before
+    later_turns: int = 0
+    same_process: int = 0
 
     @property
     def share(self) -> float:
@@ -149,6 +257,8 @@ class Conversation:
     rng: random.Random
     first_user: tuple[int, int] | None = None  # its first user message's (start, end)
     replies: int = 0  # the model's replies in the history (the assistant turns resent)
+    number: int = 0  # the conversation's, in order of start
+    process: int = -1  # the gateway process its last turn went through
 
 
 def event_maps(events: list[KVEvent]) -> list[dict[str, object]]:
@@ -254,6 +364,7 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
             break
         tenant = rng.randrange(tenants)
         conv = Conversation(tenant, 0, list(systems[tenant]), random.Random(rng.getrandbits(32)))
+        conv.number = seq[0]  # the pushes so far: one per conversation
         push(t, "turn", conv)
     if cfg.churn_rate_per_replica > 0:
         t = 0.0
@@ -263,15 +374,28 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
                 break
             push(t, "churn", None)
 
-    live: dict[str, tuple[Request, int, Conversation | None, float, int]] = {}
+    live: dict[str, tuple[Request, int, Conversation | None, float, _Connection | None]] = {}
     ids = [0]
     dispatch_turn = [0]
+    conns = (
+        ClientConnections(
+            arm.gateways,
+            random.Random(cfg.seed * 97 + 5),
+            pool=arm.pool,
+            recycle=arm.recycle,
+            keepalive_s=arm.keepalive_s,
+        )
+        if arm.connections
+        else None
+    )
 
     def finish(req: Request) -> None:
         entry = live.pop(req.request_id, None)
         if entry is None:
             return
-        _, tenant, conv, arrived, _ = entry
+        _, tenant, conv, arrived, conn = entry
+        if conns is not None and conn is not None:
+            conns.release(conn, req.finish_time)
         if arrived >= cfg.warmup_s:
             cached = max(0, req.num_cached_tokens)
             out.prompt += req.prompt_len
@@ -289,8 +413,19 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
             push(req.finish_time + conv.rng.expovariate(1.0 / cfg.think_s), "turn", conv)
 
     def dispatch(t_at: float, tenant: int, tokens: list[int], conv: Conversation | None) -> None:
-        g = dispatch_turn[0] % arm.gateways
+        conn = None
+        if conns is not None:
+            client: Hashable = tenant
+            if arm.clients == "conversation" and conv is not None:
+                client = ("c", conv.number)
+            conn = conns.acquire(client, t_at)
+        g = conn.process if conn is not None else dispatch_turn[0] % arm.gateways
         dispatch_turn[0] += 1
+        if conv is not None:
+            if conv.replies > 0 and t_at >= cfg.warmup_s:
+                out.later_turns += 1
+                out.same_process += conv.process == g
+            conv.process = g
         router = routers[g]
         kv_bytes = len(tokens) * profile.kv_bytes_per_token
         query: PrefixQuery | None = None
@@ -309,6 +444,8 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
         else:
             replica = router.choose(version, "standard", kv_bytes, prefix=query)
         if replica is None:
+            if conns is not None and conn is not None:
+                conns.release(conn, t_at)
             if t_at >= cfg.warmup_s:
                 out.rejected += 1
             if conv is not None:  # the client retries the turn a little later
@@ -321,7 +458,7 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
             rid, tokens, cfg.max_tokens, priority=1, arrival_time=t_at, cache_salt=salt(tenant)
         )
         router.on_dispatch(replica, rid, kv_bytes, prefix=query)
-        live[rid] = (req, tenant, conv, t_at, idx)
+        live[rid] = (req, tenant, conv, t_at, conn)
         if t_at >= cfg.warmup_s:
             out.requests += 1
 
@@ -347,6 +484,8 @@ def run_arm(cfg: SimConfig, arm: Arm) -> Result:
             dispatch(t_ev, churn_tenant, new_tokens(cfg.churn_tokens), None)
     fleet.finish(cfg.duration_s)
     out.index_blocks = max(len(r.index) for r in routers)
+    if conns is not None:
+        out.connections, out.connection_requests = conns.opened, conns.requests
     out.wall_s = time.perf_counter() - started
     return out
 
@@ -408,6 +547,49 @@ FIRST_ARMS = before_after(
 # ``--latest-arms``: a turn follows the one before it when this process placed that one,
 # against going to its conversation's replica (both with first turns the better of two)
 LATEST_ARMS = before_after("1 gateway", "conversation's replica", "latest turn", latest=False)
+
+
+def connection_arms(
+    pools: tuple[int, ...] = (1, 4), recycle: int = 0, keepalive_s: float = 0.0
+) -> tuple[Arm, ...]:
+    """``--connection-arms``: 1 gateway; 4 gateways with requests spread per request (the
+    worst case); per connection with ``pools`` connections per client (a request on a random
+    one) and with the openai SDK's pool (the first idle connection, 5 s keep-alive), a pool
+    per tenant and one per conversation; then perfect affinity. ``recycle``/``keepalive_s``
+    apply to the fixed pools."""
+    each = f"{', recycled every ' + str(recycle) if recycle else ''}" + (
+        f", {keepalive_s:g} s keep-alive" if keepalive_s else ""
+    )
+    four = Arm("4 gateways, per request", "cache_aware", gateways=4)
+    return (
+        Arm("1 gateway", "cache_aware"),
+        four,
+        *(
+            replace(
+                four,
+                label=f"4 gateways, per connection, {k} per client{each}",
+                connections="pool",
+                pool=k,
+                recycle=recycle,
+                keepalive_s=keepalive_s,
+            )
+            for k in pools
+        ),
+        replace(
+            four,
+            label="4 gateways, per connection, openai SDK pool (first idle, 5 s keep-alive)",
+            connections="httpx",
+            keepalive_s=5.0,
+        ),
+        replace(
+            four,
+            label="4 gateways, per connection, an openai SDK pool per conversation",
+            connections="httpx",
+            keepalive_s=5.0,
+            clients="conversation",
+        ),
+        Arm("perfect affinity (tenant pinned)", "pinned"),
+    )
 
 
 def table(runs: list[tuple[SimConfig, list[Result]]]) -> list[str]:
@@ -516,6 +698,28 @@ def main(argv: list[str] | None = None) -> int:
         help="a turn following the one before it when this process placed that one against "
         "its conversation's replica, 1 and 4 gateways (no churn, no hashing cost)",
     )
+    ap.add_argument(
+        "--connection-arms",
+        action="store_true",
+        help="4 gateways reached per request (the worst case) against per connection "
+        "(clients' keep-alive pools), with 1 gateway and perfect affinity (no churn, no "
+        "hashing cost)",
+    )
+    ap.add_argument(
+        "--pools", default="1,4", help="--connection-arms: connections per client, comma list"
+    )
+    ap.add_argument(
+        "--recycle",
+        type=int,
+        default=0,
+        help="--connection-arms: a pool's connection is reopened after this many requests",
+    )
+    ap.add_argument(
+        "--keepalive",
+        type=float,
+        default=0.0,
+        help="--connection-arms: a pool's connection idle this many seconds is reopened",
+    )
     ap.add_argument("--seed", type=int, default=None, help="the workload's and routers' seed")
     ap.add_argument("--system-tokens", type=int, default=None, help="each tenant's system prompt")
     ap.add_argument("--out", default=str(RESULTS / "prefix_routing.md"))
@@ -533,6 +737,12 @@ def main(argv: list[str] | None = None) -> int:
         (args.shared_arms, SHARED_ARMS),
         (args.first_arms, FIRST_ARMS),
         (args.latest_arms, LATEST_ARMS),
+        (
+            args.connection_arms,
+            connection_arms(
+                tuple(int(k) for k in args.pools.split(",")), args.recycle, args.keepalive
+            ),
+        ),
     )
     arms = next((chosen for asked, chosen in comparisons if asked), ARMS)
     runs: list[tuple[SimConfig, list[Result]]] = []
@@ -549,8 +759,10 @@ def main(argv: list[str] | None = None) -> int:
             if size < 4 and arm.gateways > 1:
                 arm = replace(arm, gateways=2, label=arm.label.replace("4 gateways", "2 gateways"))
             r = run_arm(cfg, arm)
+            opened = f", {r.connections} connections" if arm.connections else ""
             print(
-                f"{size} replicas, {arm.label}: share {r.share:.1%}, {r.wall_s:.0f} s", flush=True
+                f"{size} replicas, {arm.label}: share {r.share:.1%}{opened}, {r.wall_s:.0f} s",
+                flush=True,
             )
             results.append(r)
         runs.append((cfg, results))
@@ -577,6 +789,21 @@ def main(argv: list[str] | None = None) -> int:
         *table(runs),
         "",
     ]
+    if args.connection_arms:
+        lines += [
+            "| replicas | routing | connections opened | requests per connection | later turns "
+            "through the process of the turn before |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {c.replicas} | {r.arm.label} | {r.connections or '—'} | "
+                + (f"{r.connection_requests / r.connections:.1f}" if r.connections else "—")
+                + f" | {r.same_process / r.later_turns if r.later_turns else float('nan'):.0%} |"
+                for c, results in runs
+                for r in results
+                if r.arm.gateways > 1
+            ),
+            "",
+        ]
     if arms is not ARMS:
         Path(args.out).write_text("\n".join(lines))
         print("\n".join(lines))

@@ -8,14 +8,24 @@ module generates for the demo catalog (``tenants.demo.MODELS``), so a change of 
   emulator service per replica (profile ``emulator``, the default through docker/.env) and
   one vLLM service per replica (profile ``gpu``), both answering to the same network alias
   ``replica-<version>-<n>``, so the catalog's replica URLs are the same for both; and the
-  ``setup`` service that migrates and seeds the catalog with those URLs. The emulators
-  publish their KV-cache events (``--kv-events-config``, as vLLM's) and, between the
-  ``BEGIN/END generated kv events`` markers in the gateways' environment, both gateways
-  subscribe to every one of them (``GATEWAY_PREFIX_KV_EVENTS``, keyed by the replica ids
-  the seed gives those URLs). The vLLM services do not publish: their block hashes come
-  from the real model's tokenizer and a per-process hash seed, which the gateway's index
-  cannot reproduce (gateway/README.md, "Cache-aware routing"); under the ``gpu`` profile the
-  gateways' subscriptions stay idle.
+  ``setup`` service that migrates and seeds the catalog with those URLs. Both engines
+  publish their KV-cache events (``--kv-events-config`` on ``:5557``; the vLLM services
+  with the block size and hash scheme explicit, ``catalog.replica.prefix_cache_args``, as
+  on Kubernetes) and, between the ``BEGIN/END generated kv events`` markers in the
+  gateways' environment, both gateways subscribe to every replica's endpoint
+  (``GATEWAY_PREFIX_KV_EVENTS``, keyed by the replica ids the seed gives those URLs; one
+  list for both profiles, since the aliases are the same).
+- ``docker/compose.gpu.yaml``, all generated: what the ``gpu`` profile adds for the
+  gateways to hash as real vLLM does, in a file of its own because compose cannot give a
+  service settings per profile, and the ``emulator`` profile's gateways must keep the
+  emulator's hashing and must not require a hash seed. Given after compose.yaml (``-f
+  docker/compose.yaml -f docker/compose.gpu.yaml``, with ``COMPOSE_PROFILES=gpu``), it
+  gives every vLLM service ``PYTHONHASHSEED`` from the variable ``GATEWAY_PREFIX_HASH_SEED``
+  (required: compose refuses to render without it), adds a one-shot ``tokenizer-fetch``
+  service (profile ``gpu``; ``catalog.tokenizer_fetch``) that writes each model's tokenizer
+  files into the ``tokenizers`` volume, and gives both gateways that volume read-only, the
+  same seed, and the block size, hash scheme and tokenizer files of ``prefix_config`` (the
+  Kubernetes ConfigMap's values), starting them only after the fetch succeeded.
 - ``deploy/k8s/base/replicas.yaml``: per version a StatefulSet of vLLM pods behind a
   headless Service (the gateway routes to each replica by its own address, so each pod has
   a stable DNS name: ``replica-<version>-<i>.replica-<version>``), and the catalog's
@@ -39,6 +49,7 @@ from typing import Any
 
 import yaml
 
+from catalog import tokenizer_fetch
 from catalog.replica import (
     KV_BLOCK_SIZE,
     KV_EVENTS_PORT,
@@ -53,6 +64,7 @@ from catalog.replica import (
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker" / "compose.yaml"
+COMPOSE_GPU_FILE = ROOT / "docker" / "compose.gpu.yaml"
 K8S_REPLICAS_FILE = ROOT / "deploy" / "k8s" / "base" / "replicas.yaml"
 BEGIN = "  # BEGIN generated replicas (manage.py deploy_files; do not edit by hand)\n"
 END = "  # END generated replicas\n"
@@ -63,13 +75,16 @@ KV_EVENTS_END = "      # END generated kv events\n"
 VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
 FAIRWAY_IMAGE = "${FAIRWAY_IMAGE:-fairway:dev}"
 REPLICAS_PER_VERSION = 2
-# Kubernetes: the gateways' cache-aware settings (a ConfigMap in replicas.yaml, generated
-# with the replicas it names), the Secret key both sides take the hash seed from, and where
-# the gateway pod's init container puts the models' tokenizer files.
+# The gateways' cache-aware settings (Kubernetes: a ConfigMap in replicas.yaml, generated
+# with the replicas it names), the Secret key (compose: the variable) both sides take the
+# hash seed from, and where the models' tokenizer files are put for the gateways (the
+# gateway pod's init container; compose's tokenizer-fetch service and volume).
 PREFIX_CONFIG = "fairway-prefix-cache"
 SECRETS = "fairway-secrets"
 HASH_SEED_KEY = "GATEWAY_PREFIX_HASH_SEED"
 TOKENIZER_DIR = "/app/var/tokenizers"
+TOKENIZER_VOLUME = "tokenizers"
+GATEWAYS = ("gateway-1", "gateway-2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +120,35 @@ def seed_args(fleet: Fleet, hosts: Any) -> list[str]:
 
 def _dump(data: Any) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=1000)
+
+
+# -- what the replicas and the gateways share -------------------------------------------
+
+
+def vllm_argv(spec: ServingSpec) -> list[str]:
+    """A deployed vLLM replica's command (compose's ``gpu`` profile, Kubernetes): the
+    catalog's, its block size and hash scheme explicit, publishing its KV-cache events."""
+    return replica_argv(spec, engine="vllm") + prefix_cache_args() + kv_events_args()
+
+
+def prefix_config(fleet: Fleet, hosts: Any = None) -> dict[str, str]:
+    """The gateways' side of what the replicas' prefix caches are (``fairway-prefix-cache``;
+    compose's gpu file), with the event endpoints of ``hosts`` (Kubernetes' by default).
+    The hash seed is not here: it is a secret, in ``fairway-secrets`` (compose: the
+    variable ``GATEWAY_PREFIX_HASH_SEED``) for both sides."""
+
+    def files(name: str) -> str:
+        return ",".join(f"{s.version}={TOKENIZER_DIR}/{s.version}/{name}" for s in fleet.specs)
+
+    return {
+        "GATEWAY_PREFIX_HASH": PREFIX_HASH_ALGO,
+        "GATEWAY_PREFIX_BLOCK_SIZE": str(KV_BLOCK_SIZE),
+        "GATEWAY_PREFIX_KV_EVENTS": kv_events_setting(fleet, hosts or fleet.k8s_hosts),
+        "GATEWAY_TOKENIZER_FILES": files("tokenizer.json"),
+        "GATEWAY_CHAT_TEMPLATES": files("tokenizer_config.json"),
+        # catalog.tokenizer_fetch: the repository of each version's files (its weights).
+        "TOKENIZER_REPOS": ",".join(f"{s.version}={s.weights}" for s in fleet.specs),
+    }
 
 
 # -- compose ------------------------------------------------------------------------------
@@ -146,12 +190,13 @@ def compose_services(fleet: Fleet) -> dict[str, Any]:
                 "networks": {"default": {"aliases": [host]}},
                 "restart": "unless-stopped",
             }
-            argv = replica_argv(spec, engine="vllm")
+            argv = vllm_argv(spec)
             services[f"vllm-{suffix}"] = {
                 "image": VLLM_IMAGE,
                 "profiles": ["gpu"],
                 "entrypoint": argv[:2],
                 "command": argv[2:],
+                "expose": [str(REPLICA_PORT), str(KV_EVENTS_PORT)],
                 "environment": {"HF_TOKEN": "${HF_TOKEN:-}"},
                 "volumes": ["hf-cache:/root/.cache/huggingface"],
                 "ipc": "host",
@@ -228,31 +273,68 @@ def render_compose(current: str, fleet: Fleet) -> str:
     return _region(text, KV_EVENTS_BEGIN, KV_EVENTS_END, kv_events_block(fleet), "kv events")
 
 
-# -- kubernetes ---------------------------------------------------------------------------
+# -- compose: the gpu profile's file -------------------------------------------------------
 
 
-def k8s_vllm_argv(spec: ServingSpec) -> list[str]:
-    """A Kubernetes replica's command: the catalog's, its block size and hash scheme
-    explicit, publishing its KV-cache events."""
-    return replica_argv(spec, engine="vllm") + prefix_cache_args() + kv_events_args()
-
-
-def prefix_config(fleet: Fleet) -> dict[str, str]:
-    """The gateways' side of what the replicas' prefix caches are (``fairway-prefix-cache``).
-    The hash seed is not here: it is a secret, in ``fairway-secrets`` for both sides."""
-
-    def files(name: str) -> str:
-        return ",".join(f"{s.version}={TOKENIZER_DIR}/{s.version}/{name}" for s in fleet.specs)
-
-    return {
-        "GATEWAY_PREFIX_HASH": PREFIX_HASH_ALGO,
-        "GATEWAY_PREFIX_BLOCK_SIZE": str(KV_BLOCK_SIZE),
-        "GATEWAY_PREFIX_KV_EVENTS": kv_events_setting(fleet, fleet.k8s_hosts),
-        "GATEWAY_TOKENIZER_FILES": files("tokenizer.json"),
-        "GATEWAY_CHAT_TEMPLATES": files("tokenizer_config.json"),
-        # catalog.tokenizer_fetch: the repository of each version's files (its weights).
-        "TOKENIZER_REPOS": ",".join(f"{s.version}={s.weights}" for s in fleet.specs),
+def compose_gpu_services(fleet: Fleet) -> dict[str, Any]:
+    """docker/compose.gpu.yaml's services, which compose merges into compose.yaml's."""
+    seed = f"${{{HASH_SEED_KEY}:?set {HASH_SEED_KEY} (gpu profile: an integer in 0..4294967295)}}"
+    config = prefix_config(fleet, fleet.compose_hosts)
+    files = {k: config[k] for k in tokenizer_fetch.SETTINGS}
+    # GATEWAY_PREFIX_KV_EVENTS is compose.yaml's already (the same aliases for both engines).
+    gateway_env = {
+        "GATEWAY_PREFIX_HASH": config["GATEWAY_PREFIX_HASH"],
+        "GATEWAY_PREFIX_BLOCK_SIZE": config["GATEWAY_PREFIX_BLOCK_SIZE"],
+        HASH_SEED_KEY: seed,
+        **files,
     }
+    services: dict[str, Any] = {
+        "tokenizer-fetch": {
+            "image": FAIRWAY_IMAGE,
+            "profiles": ["gpu"],
+            "command": ["run", "python", "-m", "catalog.tokenizer_fetch"],
+            "environment": {
+                "TOKENIZER_REPOS": config["TOKENIZER_REPOS"],
+                **files,
+                "HF_TOKEN": "${HF_TOKEN:-}",
+                "HF_ENDPOINT": "${HF_ENDPOINT:-}",
+                "TOKENIZER_REVISION": "${TOKENIZER_REVISION:-}",
+            },
+            "volumes": [f"{TOKENIZER_VOLUME}:{TOKENIZER_DIR}"],
+            "restart": "no",
+        }
+    }
+    for name in GATEWAYS:
+        services[name] = {
+            "environment": dict(gateway_env),
+            "volumes": [f"{TOKENIZER_VOLUME}:{TOKENIZER_DIR}:ro"],
+            "depends_on": {"tokenizer-fetch": {"condition": "service_completed_successfully"}},
+        }
+    for spec in fleet.specs:
+        for host in fleet.compose_hosts(spec):
+            # The first block's parent hash; the gateways read the same variable.
+            services[f"vllm-{host.removeprefix('replica-')}"] = {
+                "environment": {"PYTHONHASHSEED": seed}
+            }
+    return services
+
+
+COMPOSE_GPU_HEADER = (
+    "# Generated by `manage.py deploy_files` from the catalog (catalog/deployfiles.py);\n"
+    "# do not edit by hand. The gpu profile's cache-aware routing, merged into compose.yaml:\n"
+    "# with COMPOSE_PROFILES=gpu and GATEWAY_PREFIX_HASH_SEED in docker/.env,\n"
+    "#   docker compose -f docker/compose.yaml -f docker/compose.gpu.yaml up -d\n"
+    '# (docs/operations.md, "Cache-aware routing on real vLLM"). Not for the emulator\n'
+    "# profile, whose gateways keep the emulator's hashing.\n"
+)
+
+
+def render_compose_gpu(fleet: Fleet) -> str:
+    services = compose_gpu_services(fleet)
+    return COMPOSE_GPU_HEADER + _dump({"services": services, "volumes": {TOKENIZER_VOLUME: {}}})
+
+
+# -- kubernetes ---------------------------------------------------------------------------
 
 
 def k8s_documents(fleet: Fleet) -> list[dict[str, Any]]:
@@ -277,7 +359,7 @@ def k8s_documents(fleet: Fleet) -> list[dict[str, Any]]:
     for spec in fleet.specs:
         name = f"replica-{spec.version}"
         labels = {"app.kubernetes.io/name": "replica", "fairway.dev/model-version": spec.version}
-        argv = k8s_vllm_argv(spec)
+        argv = vllm_argv(spec)
         docs.append(
             {
                 "apiVersion": "v1",
@@ -424,6 +506,7 @@ def write_all(fleet: Fleet, *, check: bool) -> list[Path]:
     """Write (or with ``check``, compare) the generated files; returns those that differ."""
     outputs = {
         COMPOSE_FILE: render_compose(COMPOSE_FILE.read_text(), fleet),
+        COMPOSE_GPU_FILE: render_compose_gpu(fleet),
         K8S_REPLICAS_FILE: render_k8s(fleet),
     }
     stale: list[Path] = []

@@ -17,10 +17,12 @@ import logging
 import os
 import signal
 import sys
+from typing import BinaryIO
 
+import orjson
 import uvloop
 
-from emulator.engine import EngineConfig, resolve_long_prefill_threshold
+from emulator.engine import Engine, EngineConfig, Request, resolve_long_prefill_threshold
 from emulator.faults import Faults
 from emulator.kv import HASH_ALGOS
 from emulator.kv_events import KVEventsConfig
@@ -128,7 +130,44 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--refuse-503", action="store_true")
     parser.add_argument("--extra-latency-ms", type=int, default=0)
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument(
+        "--request-log",
+        help="emulator-only (no vLLM equivalent): append one JSON line per finished request "
+        "(id, priority, prompt and output tokens, model-time arrival, first scheduling, first "
+        "token, finish, preemptions) to this file; for benchmarks' diagnostics",
+    )
     return parser
+
+
+def log_finished(engine: Engine, out: BinaryIO) -> None:
+    """Write ``request_record`` of every request ``engine`` finishes to ``out``."""
+
+    def write(req: Request) -> None:
+        out.write(request_record(req))
+
+    engine.on_finish = write
+
+
+def request_record(req: Request) -> bytes:
+    """One ``--request-log`` line: a finished request's model-time milestones."""
+    return (
+        orjson.dumps(
+            {
+                "request_id": req.request_id,
+                "priority": req.priority,
+                "prompt": req.prompt_len,
+                "output": req.num_output,
+                "cached": req.num_cached_tokens,
+                "arrival": req.arrival_time,
+                "scheduled": req.first_scheduled_time,
+                "first_token": req.first_token_time,
+                "finish": req.finish_time,
+                "preemptions": req.num_preemptions,
+                "reason": req.finish_reason,
+            }
+        )
+        + b"\n"
+    )
 
 
 def resolve_profile(name: str, profile_file: str | None) -> Profile:
@@ -180,6 +219,11 @@ async def serve(args: argparse.Namespace) -> None:
         # read as vLLM reads it (vllm/envs.py): an int, default 1
         int_block_hashes=bool(int(os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1"))),
     )
+    log_file = None
+    if args.request_log:
+        # once, before serving; closed after the service stops
+        log_file = open(args.request_log, "ab")  # noqa: ASYNC230, SIM115
+        log_finished(service.engine, log_file)
     await service.start()
     print(f"EMULATOR_READY {service.base_url}", flush=True)
     stop = asyncio.Event()
@@ -188,6 +232,8 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await service.stop()
+    if log_file is not None:
+        log_file.close()
 
 
 def main(argv: list[str] | None = None) -> int:

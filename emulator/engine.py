@@ -82,7 +82,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any, Literal
@@ -373,6 +373,9 @@ class Engine:
             _PriorityQueue() if self.scheduling_policy == "priority" else _FcfsQueue()
         )
         self.stats = EngineStats()
+        # Called with each request as it finishes (naturally or aborted), after its times
+        # are final; the CLI's ``--request-log`` writes them out. None: nothing is called.
+        self.on_finish: Callable[[Request], None] | None = None
         self._seq = 0
         self._step_no = 0
         self._mu = math.log(cfg.output_len_median)
@@ -534,6 +537,8 @@ class Engine:
         stats.e2e.observe(max(0.0, t - req.arrival_time))
         if req.num_output > 1:
             stats.tpot.observe((req.last_token_time - req.first_token_time) / (req.num_output - 1))
+        if self.on_finish is not None:
+            self.on_finish(req)
 
     def _preempt(self, req: Request) -> None:
         if req.blocks:

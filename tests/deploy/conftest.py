@@ -23,6 +23,10 @@ COMPOSE_SECRETS = {
     "GRAFANA_ADMIN_PASSWORD": "g" * 16,
     "GATEWAY_METRICS_TOKEN": "m" * 32,
 }
+# The gpu profile's file (generated: catalog/deployfiles.py), given after compose.yaml, and
+# what it requires besides: the replicas' and gateways' hash seed (a dummy value).
+GPU_FILES = ("compose.yaml", "compose.gpu.yaml")
+GPU_ENV = {**COMPOSE_SECRETS, "COMPOSE_PROFILES": "gpu", "GATEWAY_PREFIX_HASH_SEED": "1234567"}
 
 
 def tool(name: str) -> str:
@@ -34,20 +38,17 @@ def tool(name: str) -> str:
     return path
 
 
-def compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Debian's docker-compose (v1.29, Python): `config` parses, interpolates and validates
-    against its schema without a Docker daemon. A clean environment: no developer's
+def compose(
+    *args: str, env: dict[str, str] | None = None, files: tuple[str, ...] = ("compose.yaml",)
+) -> subprocess.CompletedProcess[str]:
+    """Debian's docker-compose (v1.29, Python): `config` parses, interpolates, merges the
+    ``files`` of docker/ in order and validates against its schema without a Docker daemon
+    (it lists every service, whatever their profiles). A clean environment: no developer's
     variables leak in; docker/.env supplies the project name and profile."""
     clean = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/tmp"}
+    chosen = [arg for name in files for arg in ("-f", str(DOCKER / name))]
     return subprocess.run(
-        [
-            tool("docker-compose"),
-            "--project-directory",
-            str(DOCKER),
-            "-f",
-            str(DOCKER / "compose.yaml"),
-            *args,
-        ],
+        [tool("docker-compose"), "--project-directory", str(DOCKER), *chosen, *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -63,6 +64,15 @@ def load_all(text: str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="session")
 def compose_config() -> dict[str, Any]:
     done = compose("config")
+    assert done.returncode == 0, done.stderr
+    config: dict[str, Any] = yaml.safe_load(done.stdout)
+    return config
+
+
+@pytest.fixture(scope="session")
+def compose_gpu_config() -> dict[str, Any]:
+    """compose.yaml with compose.gpu.yaml over it, as the gpu profile runs."""
+    done = compose("config", env=GPU_ENV, files=GPU_FILES)
     assert done.returncode == 0, done.stderr
     config: dict[str, Any] = yaml.safe_load(done.stdout)
     return config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -9,9 +10,26 @@ from typing import Any
 
 import yaml
 
-from catalog.deployfiles import COMPOSE_FILE, demo_fleet, render_compose, write_all
+from catalog import tokenizer_fetch
+from catalog.deployfiles import (
+    COMPOSE_FILE,
+    COMPOSE_GPU_FILE,
+    demo_fleet,
+    render_compose,
+    render_compose_gpu,
+    vllm_argv,
+    write_all,
+)
 from catalog.replica import KV_EVENTS_PORT, ServingSpec, kv_events_args, replica_argv
-from tests.deploy.conftest import COMPOSE_SECRETS, DEPLOY, DOCKER, ROOT, compose
+from tests.deploy.conftest import (
+    COMPOSE_SECRETS,
+    DEPLOY,
+    DOCKER,
+    GPU_ENV,
+    GPU_FILES,
+    ROOT,
+    compose,
+)
 from tests.support import free_port
 
 
@@ -33,6 +51,7 @@ def test_generated_replica_services_are_up_to_date() -> None:
     # `manage.py deploy_files --demo --check` in-process: nothing differs.
     assert write_all(demo_fleet(), check=True) == []
     assert render_compose(COMPOSE_FILE.read_text(), demo_fleet()) == COMPOSE_FILE.read_text()
+    assert render_compose_gpu(demo_fleet()) == COMPOSE_GPU_FILE.read_text()
 
 
 def _spec(version: str) -> ServingSpec:
@@ -47,7 +66,9 @@ def test_every_replica_runs_the_catalog_command(compose_config: dict[str, Any]) 
             suffix = host.removeprefix("replica-")
             emu, vllm = services[f"emulator-{suffix}"], services[f"vllm-{suffix}"]
             assert emu["command"] == replica_argv(spec, engine="emulator") + kv_events_args()
-            assert vllm["entrypoint"] + vllm["command"] == replica_argv(spec, engine="vllm")
+            argv, catalog = vllm["entrypoint"] + vllm["command"], replica_argv(spec, engine="vllm")
+            assert argv == vllm_argv(spec)  # the catalog's, publishing: as on Kubernetes
+            assert argv[: len(catalog)] == catalog
             # One address for either engine: the catalog's URL does not depend on it.
             assert emu["networks"]["default"]["aliases"] == [host]
             assert vllm["networks"]["default"]["aliases"] == [host]
@@ -74,39 +95,38 @@ def test_every_replica_runs_the_catalog_command(compose_config: dict[str, Any]) 
     assert _spec("llama-70b-2026-05").weights in vllm70
 
 
-def test_both_gateways_follow_every_emulated_replicas_kv_events(
+def test_both_gateways_follow_every_replicas_kv_events(
     compose_config: dict[str, Any],
 ) -> None:
-    """Each emulator publishes its KV-cache events (as the emulator parses its flag), and
-    both gateways subscribe to every one of them (as the gateway parses its config), under
-    the replica id the setup service's seed gives that replica's URL."""
+    """Each replica, emulator or vLLM, publishes its KV-cache events (as the emulator parses
+    its flag), on the same endpoint of the same alias, and both gateways subscribe to every
+    one of them (as the gateway parses its config), under the replica id the setup
+    service's seed gives that replica's URL."""
     from catalog.replica import replica_name
     from emulator.kv_events import KVEventsConfig
     from gateway.config import GatewayConfig
     from tenants.management.commands.seed_demo import parse_replicas
 
     services = compose_config["services"]
-    published: dict[str, str] = {}  # replica URL -> the endpoint a gateway reaches it at
+    published: dict[str, dict[str, str]] = {"emulator": {}, "vllm": {}}  # URL -> endpoint
     for name, svc in services.items():
-        argv = svc.get("command") or []
-        if name.startswith("vllm-"):
-            # real vLLM's hashes come from the real tokenizer and a random hash seed: the
-            # gateway's index cannot match them, so they are not published
-            assert "--kv-events-config" not in argv, name
-        if not name.startswith("emulator-"):
+        engine = name.split("-", 1)[0]
+        if engine not in published:
             continue
+        argv = svc["command"]
         config = KVEventsConfig.from_json(argv[argv.index("--kv-events-config") + 1])
         assert config.enable_kv_cache_events and config.resolved_publisher == "zmq"
         host, port = config.endpoint.removeprefix("tcp://").rsplit(":", 1)
         assert host == "*" and int(port) == KV_EVENTS_PORT  # every interface of its container
         assert str(port) in svc["expose"]
         (alias,) = svc["networks"]["default"]["aliases"]
-        published[f"http://{alias}:8000"] = f"tcp://{alias}:{port}"
-    assert len(published) == 4
+        published[engine][f"http://{alias}:8000"] = f"tcp://{alias}:{port}"
+    assert len(published["emulator"]) == 4
+    assert published["vllm"] == published["emulator"]  # one subscription list for both
     seed = services["setup"]["command"][-1].split()
     specs = [seed[i + 1] for i, arg in enumerate(seed) if arg == "--replicas"]
     expected = {
-        replica_name(version, url): published[url]
+        replica_name(version, url): published["emulator"][url]
         for version, entries in parse_replicas(specs).items()
         for url, _ in entries
     }
@@ -123,6 +143,157 @@ def test_both_gateways_follow_every_emulated_replicas_kv_events(
     opted = yaml.safe_load(done.stdout)["services"]
     for gateway in ("gateway-1", "gateway-2"):
         assert opted[gateway]["environment"]["GATEWAY_ADMISSION_STRATEGY"] == "cache_aware"
+
+
+# What compose.gpu.yaml adds to the gateways' environment; nothing else of theirs changes.
+GPU_GATEWAY_SETTINGS = {
+    "GATEWAY_PREFIX_HASH",
+    "GATEWAY_PREFIX_BLOCK_SIZE",
+    "GATEWAY_PREFIX_HASH_SEED",
+    *tokenizer_fetch.SETTINGS,
+}
+
+
+def test_the_default_profile_keeps_the_emulators_hashing_without_a_seed(
+    compose_config: dict[str, Any],
+) -> None:
+    """compose.yaml alone (the emulator profile): rendered without a hash seed (the
+    fixture's environment has none), the gateways hash as the emulator does, with no
+    tokenizer files, and nothing of the gpu file is there."""
+    from gateway.config import GatewayConfig
+
+    assert "GATEWAY_PREFIX_HASH_SEED" not in COMPOSE_SECRETS
+    services = compose_config["services"]
+    assert "tokenizer-fetch" not in services and "tokenizers" not in compose_config["volumes"]
+    for gateway in ("gateway-1", "gateway-2"):
+        env = services[gateway]["environment"]
+        assert not GPU_GATEWAY_SETTINGS & set(env), gateway
+        gw = GatewayConfig.from_env({**env, "FAIRWAY_ENV": "development"})
+        assert gw.prefix_hash == "emulator" and gw.prefix_hash_seed is None
+        assert not any("tokenizers" in v for v in services[gateway]["volumes"])
+    for name, svc in services.items():
+        if name.startswith("vllm-"):
+            assert "PYTHONHASHSEED" not in svc["environment"], name
+
+
+def _normalised(svc: dict[str, Any]) -> dict[str, Any]:
+    # docker-compose 1.29 merges these lists as sets: their order is not the file's.
+    return {k: sorted(v, key=str) if k in ("expose", "ports", "volumes") else v
+            for k, v in svc.items()}  # fmt: skip
+
+
+def test_the_gpu_file_adds_to_the_gateways_and_replicas_only(
+    compose_config: dict[str, Any], compose_gpu_config: dict[str, Any]
+) -> None:
+    base, gpu = compose_config["services"], compose_gpu_config["services"]
+    assert set(gpu) - set(base) == {"tokenizer-fetch"}
+    for name, svc in base.items():
+        merged = gpu[name]
+        if name.startswith("vllm-"):
+            assert merged["environment"] == {**svc["environment"], "PYTHONHASHSEED": "1234567"}
+            merged = {**merged, "environment": svc["environment"]}
+        elif name in ("gateway-1", "gateway-2"):
+            added = set(merged["environment"]) - set(svc["environment"])
+            assert added == GPU_GATEWAY_SETTINGS, name
+            assert {k: merged["environment"][k] for k in svc["environment"]} == svc["environment"]
+            assert set(merged["volumes"]) - set(svc["volumes"]) == {
+                "tokenizers:/app/var/tokenizers:ro"
+            }
+            ready = {"condition": "service_completed_successfully"}
+            assert merged["depends_on"] == {**svc["depends_on"], "tokenizer-fetch": ready}
+            merged = {**merged, "environment": svc["environment"], "volumes": svc["volumes"]}
+            merged["depends_on"] = svc["depends_on"]
+        assert _normalised(merged) == _normalised(svc), name
+
+
+def test_the_gpu_file_refuses_to_render_without_the_hash_seed() -> None:
+    env = {k: v for k, v in GPU_ENV.items() if k != "GATEWAY_PREFIX_HASH_SEED"}
+    done = compose("config", "-q", env=env, files=GPU_FILES)
+    assert done.returncode != 0 and "GATEWAY_PREFIX_HASH_SEED" in done.stderr, done.stderr
+    # compose.yaml alone (whatever the profile) does not ask for it
+    assert compose("config", "-q", env=env).returncode == 0
+
+
+def test_gpu_replicas_and_gateways_agree_on_the_prefix_cache(
+    compose_gpu_config: dict[str, Any],
+) -> None:
+    """The gpu profile's cache-aware routing on real vLLM, as tests/deploy/test_k8s.py
+    checks it for Kubernetes: every vLLM service's block size, hash scheme, hash seed and
+    KV-event endpoint are the gateways', and the gateways' tokenizer files are the ones
+    tokenizer-fetch writes, from the repository the replicas load, onto the volume they
+    mount read-only (docs/operations.md, "Cache-aware routing on real vLLM")."""
+    from catalog.replica import replica_name
+    from gateway.config import GatewayConfig
+
+    services = compose_gpu_config["services"]
+    fetch = services["tokenizer-fetch"]
+    assert fetch["profiles"] == ["gpu"] and fetch["restart"] == "no"
+    assert fetch["command"] == ["run", "python", "-m", "catalog.tokenizer_fetch"]
+    assert set(fetch["environment"]) >= {"HF_TOKEN", "HF_ENDPOINT", "TOKENIZER_REVISION"}
+    (volume,) = fetch["volumes"]
+    name, mount, mode = volume.split(":")
+    assert mode == "rw" and name in compose_gpu_config["volumes"]
+    files = tokenizer_fetch.plan(fetch["environment"])
+    assert len(files) == 2 * len(demo_fleet().specs)  # tokenizer.json + tokenizer_config.json
+    for url, path in files:
+        assert str(path).startswith(mount + "/")
+        assert url.startswith("https://huggingface.co/meta-llama/")  # HF_ENDPOINT unset
+        assert url.endswith(f"/resolve/main/{path.name}")  # TOKENIZER_REVISION unset
+    repos = dict(item.split("=", 1) for item in fetch["environment"]["TOKENIZER_REPOS"].split(","))
+    envs = []
+    for gateway in ("gateway-1", "gateway-2"):
+        svc = services[gateway]
+        env = dict(svc["environment"])
+        assert f"{name}:{mount}:ro" in svc["volumes"]
+        assert svc["depends_on"]["tokenizer-fetch"]["condition"] == "service_completed_successfully"
+        for setting in tokenizer_fetch.SETTINGS:
+            assert env.pop(setting) == fetch["environment"][setting]  # read where written
+        envs.append(env)
+    assert envs[0] == envs[1]
+    config = GatewayConfig.from_env({**envs[0], "FAIRWAY_ENV": "development"})
+    assert config.prefix_hash == "sha256"
+    assert config.prefix_hash_seed == GPU_ENV["GATEWAY_PREFIX_HASH_SEED"]
+    fleet = demo_fleet()
+    for spec in fleet.specs:
+        for host in fleet.compose_hosts(spec):
+            vllm = services[f"vllm-{host.removeprefix('replica-')}"]
+            args = vllm["command"]
+            assert int(_flag(args, "--block-size")) == config.prefix_block_size
+            assert _flag(args, "--prefix-caching-hash-algo") == config.prefix_hash
+            assert "--enable-prefix-caching" in args
+            # the first block's parent hash: the same variable on both sides
+            assert vllm["environment"]["PYTHONHASHSEED"] == config.prefix_hash_seed
+            events = json.loads(_flag(args, "--kv-events-config"))
+            port = events["endpoint"].rpartition(":")[2]
+            assert port in vllm["expose"]
+            rid = replica_name(spec.version, f"http://{host}:8000")
+            assert config.prefix_kv_events[rid] == f"tcp://{host}:{port}"
+            # the gateway's tokenizer and chat template are the replica's model's
+            assert "--tokenizer" not in args
+            assert repos[spec.version] == args[0] == spec.weights
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_the_image_owns_the_mount_points_of_the_volumes_it_writes(
+    compose_gpu_config: dict[str, Any],
+) -> None:
+    """A new named volume takes the owner of the image's directory it is mounted on (root
+    when the image lacks it): every volume a Fairway service writes under /app/var is a
+    directory the Dockerfile creates for the image's user."""
+    text = (DOCKER / "Dockerfile").read_text()
+    made = re.search(r"mkdir -p ([^\\\n&]+)", text)
+    assert made and "chown -R fairway:fairway var" in text
+    created = {f"/app/{d}" for d in made.group(1).split()}
+    for name, svc in compose_gpu_config["services"].items():
+        if not svc.get("image", "").startswith("fairway"):
+            continue
+        for volume in svc.get("volumes", []):
+            _, target, mode = volume.split(":")
+            if target.startswith("/app/var/") and mode == "rw":
+                assert target in created, (name, target)
 
 
 def test_the_stack_has_its_parts_wired(compose_config: dict[str, Any]) -> None:
@@ -168,12 +339,15 @@ def test_the_stack_has_its_parts_wired(compose_config: dict[str, Any]) -> None:
     assert "location = /metrics { return 404; }" in nginx  # tenant ids stay internal
 
 
-def test_each_compose_role_is_one_the_image_knows(compose_config: dict[str, Any]) -> None:
+def test_each_compose_role_is_one_the_image_knows(
+    compose_config: dict[str, Any], compose_gpu_config: dict[str, Any]
+) -> None:
     entrypoint = (DOCKER / "entrypoint.sh").read_text()
     roles = set(re.findall(r"^  ([a-z]+)\)$", entrypoint, re.M))
     assert {"controlplane", "gateway", "worker", "beat", "consumer", "run"} <= roles
-    for name, svc in compose_config["services"].items():
-        if svc.get("image", "").startswith("${FAIRWAY_IMAGE") or "build" in svc:
+    everything = {**compose_config["services"], **compose_gpu_config["services"]}
+    for name, svc in everything.items():
+        if svc.get("image", "").startswith(("${FAIRWAY_IMAGE", "fairway:")) or "build" in svc:
             role = svc.get("entrypoint", [None, None])[1] if svc.get("entrypoint") else None
             role = role or svc["command"][0]
             assert role in roles, (name, role)

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 
 from catalog import tokenizer_fetch
-from catalog.deployfiles import K8S_REPLICAS_FILE, demo_fleet, k8s_vllm_argv, render_k8s
+from catalog.deployfiles import K8S_REPLICAS_FILE, demo_fleet, render_k8s, vllm_argv
 from catalog.replica import replica_argv, replica_name
 from gateway.config import GatewayConfig
 from tests.deploy.conftest import base_documents
@@ -127,7 +127,7 @@ def test_replicas_run_the_catalog_command(k8s_production: list[dict[str, Any]]) 
         sts = _by(k8s_production, "StatefulSet", f"replica-{spec.version}")
         (vllm,) = _containers(sts)
         argv = vllm["command"] + vllm["args"]
-        assert argv == k8s_vllm_argv(spec)
+        assert argv == vllm_argv(spec)
         assert argv[: len(replica_argv(spec, engine="vllm"))] == replica_argv(spec, engine="vllm")
         gpus = vllm["resources"]["limits"]["nvidia.com/gpu"]
         assert int(gpus) == spec.tensor_parallel_size

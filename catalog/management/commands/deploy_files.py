@@ -1,4 +1,5 @@
-"""Write the replica parts of docker/compose.yaml and deploy/k8s from the catalog.
+"""Write the replica parts of docker/compose.yaml, docker/compose.gpu.yaml and deploy/k8s
+from the catalog.
 
 manage.py deploy_files --demo           # from tenants.demo (what is committed)
 manage.py deploy_files                  # from this database's active versions
@@ -17,7 +18,7 @@ from catalog.replica import ServingSpec
 
 
 class Command(BaseCommand):
-    help = "Generate the replica services of docker/compose.yaml and deploy/k8s."
+    help = "Generate the replica parts of docker/compose*.yaml and deploy/k8s."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--demo", action="store_true", help="the demo catalog, no DB")
