@@ -94,6 +94,9 @@ class SimRequest:
     # when the replica first scheduled it (this attempt), preemptions before its first
     # token and in all.
     rejections: int = 0
+    # Why its last attempt was not served (one of REFUSALS): what a request that was never
+    # served ran into, for the reports' "never served" breakdown.
+    refusal: str = ""
     scheduled: float | None = None
     preempted_before_first: int = 0
     preemptions: int = 0
@@ -269,6 +272,34 @@ CAUSES = (
     CAUSE_NEVER_SERVED, CAUSE_RETRIED, CAUSE_QUEUED, CAUSE_PREEMPTED_PREFILL,
     CAUSE_SLOW_PREFILL, CAUSE_LONG_PREFILL, CAUSE_FULL_DECODE, CAUSE_PREEMPTED_DECODE,
 )  # fmt: skip
+
+
+# Why an attempt was not served (``SimRequest.refusal``): a 503 from the long-context budget,
+# from placement (no replica under its class ceiling), from the retry budget (a retry shed
+# in a storm), or a transport error (its replica died).
+REFUSED_LONG_BUDGET = "long-context budget"
+REFUSED_NO_REPLICA = "no replica under its ceiling"
+REFUSED_RETRY_BUDGET = "retry budget"
+REFUSED_REPLICA_DOWN = "replica down"
+REFUSALS = (REFUSED_LONG_BUDGET, REFUSED_NO_REPLICA, REFUSED_RETRY_BUDGET, REFUSED_REPLICA_DOWN)
+
+
+def never_served_by(reqs: list[SimRequest]) -> dict[str, int]:
+    """The resolved requests never served, counted by what their last attempt ran into
+    (``SimRequest.refusal``), in the order of ``REFUSALS``."""
+    counts = dict.fromkeys(REFUSALS, 0)
+    for r in reqs:
+        if r.final and r.status != "ok":
+            counts[r.refusal] = counts.get(r.refusal, 0) + 1
+    return {k: n for k, n in counts.items() if n}
+
+
+def never_served_cell(share: float, by: dict[str, int]) -> str:
+    """The "never served" cell: the share, and when any, how many by refusal."""
+    if not by:
+        return _pct(share)
+    parts = ", ".join(f"{cause} {n}" for cause, n in by.items())
+    return f"{_pct(share)} ({sum(by.values())}: {parts})"
 
 
 def miss_causes(
@@ -547,9 +578,10 @@ class FleetSim:
         live = w[self.window_head :]
         return len(live), sum(1 for _, r in live if r)
 
-    def _reject(self, r: SimRequest, now: float, retry_after_s: float) -> None:
+    def _reject(self, r: SimRequest, now: float, retry_after_s: float, refusal: str) -> None:
         self._tick["rejected"] += 1
         r.rejections += 1
+        r.refusal = refusal
         if r.attempt == 0:
             self._tick["rejected_first"] += 1
         self._client_retry(r, now + retry_after_s, status="rejected")
@@ -579,7 +611,8 @@ class FleetSim:
             admitted, retries = self._retry_counts(now)
             storm = in_retry_storm(admitted, retries, self.adm)
             if sheds_retry(is_retry, r.tenant_class, storm):  # type: ignore[arg-type]
-                self._reject(r, now, storm_retry_after_ms(self.adm, gw.rng) / 1000)
+                wait = storm_retry_after_ms(self.adm, gw.rng) / 1000
+                self._reject(r, now, wait, REFUSED_RETRY_BUDGET)
                 return
         # The gateway's optimistic in-flight charge (gateway/admission/controller.py): prompt + max
         # output.
@@ -590,7 +623,8 @@ class FleetSim:
             if not self._long_admit(r, lease, now):
                 self.long_refused += 1
                 self.long_refused_by[r.tenant] = self.long_refused_by.get(r.tenant, 0) + 1
-                self._reject(r, now, capacity_retry_after_ms(self.adm, gw.rng) / 1000)
+                wait = capacity_retry_after_ms(self.adm, gw.rng) / 1000
+                self._reject(r, now, wait, REFUSED_LONG_BUDGET)
                 return
         if self.adm.context_placement:
             fleet = sum(b for _, b, _ in self.long_leases.values())
@@ -610,7 +644,7 @@ class FleetSim:
                 wait = capacity_retry_after_ms(self.adm, gw.rng) / 1000
             else:
                 wait = cfg.unjittered_retry_after_s
-            self._reject(r, now, wait)
+            self._reject(r, now, wait, REFUSED_NO_REPLICA)
             return
         idx = int(record.replica_id)
         rep = self.replicas[idx]
@@ -620,6 +654,7 @@ class FleetSim:
             # at once, as client libraries do on a transport error.
             self._long_release(r, lease)
             self._tick["errors"] += 1
+            r.refusal = REFUSED_REPLICA_DOWN
             self._client_retry(r, now, status="error")
             return
         gw.router.on_dispatch(
@@ -748,6 +783,7 @@ class FleetSim:
                 gw.router.on_finish(gw.records[rep.idx], f"{r.rid}.{r.attempt}")
                 self._long_release(r, f"{r.rid}.{r.attempt}")
                 self._tick["errors"] += 1
+                r.refusal = REFUSED_REPLICA_DOWN
                 self._client_retry(r, now, status="error")
 
     def _sample(self, now: float) -> None:
@@ -971,6 +1007,9 @@ class Probe:
     reserved: ClassSLO = ClassSLO(0, 0, 0, 0)  # the reserved class, all its requests
     reserved_feasible: ClassSLO = ClassSLO(0, 0, 0, 0)  # ... those that could meet TTFT
     censored: int = 0  # measured arrivals still unresolved at the end (``SimResult.censored``)
+    # The measured requests never served, by what their last attempt ran into
+    # (``never_served_by``).
+    refused_by: dict[str, int] = field(default_factory=dict)
 
     @property
     def holds(self) -> bool:
@@ -996,6 +1035,7 @@ def probe_of(res: SimResult) -> Probe:
         reserved=reserved_slo(res, feasible_only=False),
         reserved_feasible=reserved_slo(res, feasible_only=True),
         censored=res.censored(),
+        refused_by=never_served_by(meas),
     )
 
 
@@ -1128,7 +1168,12 @@ def write_isolation_report(
             )
             + "). A size holds when TTFT p95 < 1 s and TPOT "
             "p95 < 50 ms over the measured requests, TTFT counted from the first attempt's "
-            "arrival (503 waits included) and a request never served counted as a miss.",
+            "arrival (503 waits included) and a request never served counted as a miss. "
+            "Never served: measured requests whose client gave up after its "
+            f"{any_cfg.max_attempts} attempts, with how many by what their last attempt ran "
+            "into (a 503 from the long-context budget, from placement — no replica under its "
+            "class ceiling — or from the retry budget, or its replica down); requests still "
+            "unresolved at the end are censored, not counted.",
             "",
         ]
         sizes = {p.replicas for probes in sizing_probes.values() for p in probes}
@@ -1159,7 +1204,8 @@ def write_isolation_report(
                     _md_row([
                         name, p.replicas, _ms(p.ttft_p95), _ms(p.tpot_p95),
                         "yes" if p.holds else "no", _pct(p.attainment),
-                        f"{p.fullest_mean:.3f}", f"{p.fullest_p99:.3f}", _pct(p.refused),
+                        f"{p.fullest_mean:.3f}", f"{p.fullest_p99:.3f}",
+                        never_served_cell(p.refused, p.refused_by),
                         f"{p.wall_s:.0f}",
                     ])
                 )  # fmt: skip
