@@ -28,9 +28,11 @@ import math
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench import cluster
+from bench.nn_trace import LONG_PROMPT_TOKENS
 from bench.noisy_neighbour import (
     ARM_TITLES,
     QUIET_ARMS,
@@ -95,6 +97,50 @@ def tpot_samples(outs: Sequence[Outcome], tenant_id: str) -> list[float]:
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A tenant's refused requests (they have no TTFT or TPOT, so its percentiles leave
+    them out): 429s, 503s, and the long prompts (>= ``LONG_PROMPT_TOKENS``) it sent with
+    how many of them the long-context budget refused (503 ``long_context_capacity``)."""
+
+    r429: int
+    r503: int
+    long_refused: int
+    long_sent: int
+
+    def cell(self) -> str:
+        return f"{self.r429} / {self.r503} ({self.long_refused} of {self.long_sent} long)"
+
+
+def _long_context_refusal(error: str | None) -> bool:
+    """The gateway's 503 ``long_context_capacity`` (gateway/admission/controller.py). The
+    load generator keeps a body's first 300 characters, which its long message fills before
+    the code, so its opening words count too."""
+    return error is not None and (
+        "long_context_capacity" in error or "long-context capacity" in error
+    )
+
+
+def refused_counts(outs: Sequence[Outcome], tenant_id: str) -> Refused:
+    mine = [o for o in outs if o.tenant_id == tenant_id]
+    long = [o for o in mine if o.prompt_tokens >= LONG_PROMPT_TOKENS]
+    return Refused(
+        r429=sum(o.status == 429 for o in mine),
+        r503=sum(o.status == 503 for o in mine),
+        long_refused=sum(o.status == 503 and _long_context_refusal(o.error) for o in long),
+        long_sent=len(long),
+    )
+
+
+REFUSED_HEADERS = (
+    f"refused 429 / 503 (long-context 503s of prompts ≥ {LONG_PROMPT_TOKENS:,} tokens)",
+    "refused (quiet)",
+)
+REFUSED_NOTE = (
+    "Refused requests (429, 503) have no TTFT or TPOT: they are not in the p95s and ratios above."
+)
+
+
 def _interval(xs: Sequence[float], ys: Sequence[float]) -> str:
     lo, hi = ratio_interval(xs, ys)
     return "—" if math.isnan(lo) else f"{lo:.2f}–{hi:.2f}"
@@ -121,7 +167,8 @@ def pooled_lines(
             else:
                 worst_tpot = max(worst_tpot, ratio if math.isfinite(ratio) else math.inf)
             cells.append(f"{_fmt(ratio)}x ({_interval(xs, ys)}), n={len(xs)}")
-        lines.append(f"| {tid} | {cells[0]} | {cells[1]} |")
+        cells += [refused_counts(outs, tid).cell() for outs in (arm_outs, quiet_outs)]
+        lines.append(f"| {tid} | " + " | ".join(cells) + " |")
     return lines, worst_ttft, worst_tpot
 
 
@@ -159,7 +206,8 @@ def evaluate(
         lines.append(
             f"| {tid} | {g.ttft.p95 * 1000:.0f} ({r_ttft:.2f}x; {i_ttft}) | "
             f"{g.tpot.p95 * 1000:.1f} ({r_tpot:.2f}x; {i_tpot}) | {g.attainment:.1%} | "
-            f"{'yes' if held else 'no'} |"
+            f"{'yes' if held else 'no'} | {refused_counts(res.outcomes, tid).cell()} | "
+            f"{refused_counts(quiet.outcomes, tid).cell()} |"
         )
     # Goodput of a flooding tenant: the prompt tokens of its completed requests (a long
     # context's cost is its prefill), with the completed requests and output tokens beside.
@@ -179,7 +227,7 @@ def evaluate(
     ent_feasible = [o for o in ent if lone_prefill_feasible(o.prompt_tokens)]
     peak = _shared_peak(res, cfg.shared_replicas)
     lag = sum(t.clock_lag_s for t in res.traces.values())
-    lines.append("")
+    lines += ["", REFUSED_NOTE]
     lines.append(
         "Flooding tenants (served = completed requests / their prompt tokens / output tokens; "
         "refused = 429 + 503): "
@@ -307,8 +355,8 @@ def run_multi(
                             f"### {n} flooding tenant(s), seed {seed}: {ARM_TITLES[arm]}",
                             "",
                             "| tenant | TTFT p95 ms (× quiet) | TPOT p95 ms (× quiet) | "
-                            "attainment | SLOs held |",
-                            "| --- | --- | --- | --- | --- |",
+                            f"attainment | SLOs held | {' | '.join(REFUSED_HEADERS)} |",
+                            "| --- | --- | --- | --- | --- | --- | --- |",
                             *lines,
                             "",
                         ]
@@ -346,9 +394,12 @@ def _pooled_section(
         detail += [
             f"### Pooled: {n} flooding tenant(s), {ARM_TITLES[arm]}",
             "",
-            "| tenant | TTFT p95 ratio (interval), n | TPOT p95 ratio (interval), n |",
-            "| --- | --- | --- |",
+            "| tenant | TTFT p95 ratio (interval), n | TPOT p95 ratio (interval), n | "
+            f"{' | '.join(REFUSED_HEADERS)} |",
+            "| --- | --- | --- | --- | --- |",
             *lines,
+            "",
+            REFUSED_NOTE,
             "",
         ]
     return [*md, "", *detail]

@@ -33,7 +33,8 @@ from bench.stats import percentile, ratio_interval
 
 # A prompt whose prefill alone takes the TTFT target on the bench's profile: 12,552 real
 # tokens (bench/results/isolation.md), 8 real tokens per emulated one.
-LONG_PROMPT_EMULATED = 12_552 // 8
+LONG_PROMPT_TOKENS = 12_552
+LONG_PROMPT_EMULATED = LONG_PROMPT_TOKENS // 8
 
 
 @dataclass(slots=True)

@@ -114,3 +114,41 @@ def test_pooled_ratios_put_every_seeds_requests_together_without_the_flooders() 
     lines, worst_ttft, worst_tpot = pooled_lines(runs, {"noisy"})
     assert len(lines) == 1 and lines[0].startswith("| std-1 | 1.80x (1.80–1.80), n=60 |")
     assert worst_ttft == 1.8 and worst_tpot == 1.0
+
+
+def test_refused_requests_are_counted_per_tenant_beside_the_percentiles_they_miss() -> None:
+    """bench/nn_multi.py: a non-noisy tenant's 429s and 503s (no TTFT, so not in its p95s),
+    and of its long prompts how many the long-context budget refused, in the arm and in the
+    quiet baseline of the same seed; the pooled table sums them over seeds."""
+    from bench.nn_multi import LONG_PROMPT_TOKENS, evaluate, pooled_lines, refused_counts
+
+    # the load generator keeps the body's first 300 characters: the code may be cut off
+    long_503 = '{"error":{"message":"The fleet\'s long-context capacity for v is in use'
+    served = [_o("std-1", float(i), 0.5) for i in range(20)]
+    refused = _o("std-1", 30.0, None, status=503)
+    refused.prompt_tokens, refused.error = LONG_PROMPT_TOKENS, long_503
+    served_long = _o("std-1", 31.0, 0.9)
+    served_long.prompt_tokens = LONG_PROMPT_TOKENS + 1
+    other_503 = _o("std-1", 32.0, None, status=503)
+    other_503.prompt_tokens, other_503.error = 20_000, "replica unavailable"
+    quota = _o("std-1", 33.0, None, status=429)
+    flood = _o("noisy", 34.0, None, status=503)
+    arm_outs = [*served, refused, served_long, other_503, quota, flood]
+    counts = refused_counts(arm_outs, "std-1")
+    assert (counts.r429, counts.r503, counts.long_refused, counts.long_sent) == (1, 2, 1, 3)
+    assert counts.cell() == "1 / 2 (1 of 3 long)"
+
+    cfg = NNConfig(noisy_tenants=1)
+    res = ArmResult("c", arm_outs, {}, 0, 1, 10)
+    quiet = ArmResult("quiet", [*served, served_long], {}, 0, 1, 10)
+    lines, verdicts = evaluate(res, quiet, cfg, tenants(cfg))
+    row = next(line for line in lines if line.startswith("| std-1 |"))
+    assert row.endswith("| 1 / 2 (1 of 3 long) | 0 / 0 (0 of 1 long) |")
+    assert any("not in the p95s" in line for line in lines)
+    # information only: the checks are those of the served requests
+    only_served = ArmResult("c", [*served, served_long, flood], {}, 0, 1, 10)
+    _, unchanged = evaluate(only_served, quiet, cfg, tenants(cfg))
+    assert verdicts == unchanged
+
+    pooled, _, _ = pooled_lines([(res, quiet), (res, quiet)], {"noisy"})
+    assert pooled[0].endswith("| 2 / 4 (2 of 6 long) | 0 / 0 (0 of 2 long) |")
