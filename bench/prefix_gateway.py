@@ -178,9 +178,10 @@ async def conversations_over(
     systems: Sequence[str],
     conversations: int,
     turns: int,
+    first_seed: int = 1000,
     **options: Any,
 ) -> list[list[Turn]]:
-    """``conversations`` concurrent conversations (seeded 1000, 1001, …): conversation ``c``
+    """``conversations`` concurrent conversations (seeded ``first_seed``, +1, …): conversation ``c``
     over ``systems[c % len(systems)]``, sent with ``auths[c % len(auths)]``; ``options``
     go to ``converse``."""
     async with httpx.AsyncClient(timeout=300) as http:
@@ -194,7 +195,7 @@ async def conversations_over(
                         model,
                         systems[c % len(systems)],
                         turns,
-                        seed=1000 + c,
+                        seed=first_seed + c,
                         **options,
                     )
                     for c in range(conversations)
