@@ -480,14 +480,7 @@ def report(runs: list[tuple[HerdConfig, list[ArmResult]]], command: str, name: s
             )
     lines.append("")
     for run_cfg, results in runs:
-        best = next(
-            (
-                r
-                for r in results
-                if r.arm.strategy == "p2c" and r.arm.optimistic and not r.arm.isolation
-            ),
-            None,
-        )
+        best = old_policy(results)
         if best is None:
             continue
         base = next((r for r in results if r.arm.strategy == "emptiest"), None)
@@ -608,20 +601,25 @@ def deployed_cells(r: ArmResult) -> str:
     )
 
 
+def old_policy(results: list[ArmResult]) -> ArmResult | None:
+    """The old policy's arm of a run (P2C + optimistic in-flight, no long-context rules)."""
+    return next(
+        (
+            r
+            for r in results
+            if r.arm.strategy == "p2c" and r.arm.optimistic and not r.arm.isolation
+        ),
+        None,
+    )
+
+
 def _wins(runs: list[tuple[HerdConfig, list[ArmResult]]]) -> list[str]:
     """In how many runs each policy arm's TTFT p99 and fullest replica (mean) beat the old
     policy's (P2C + optimistic in-flight) of the same run."""
     out = []
     counts: dict[tuple[float, str], list[int]] = {}
     for run_cfg, results in runs:
-        old = next(
-            (
-                r
-                for r in results
-                if r.arm.strategy == "p2c" and r.arm.optimistic and not r.arm.isolation
-            ),
-            None,
-        )
+        old = old_policy(results)
         if old is None:
             continue
         for r in results:
