@@ -20,7 +20,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from contracts.schema import hash_api_key
-from tenants.models import ApiToken
+from tenants.models import ApiToken, ApiTokenScheme
 from tenants.services import key_pepper
 
 BEFORE = ("tenants", "0004_operate_permission")
@@ -111,6 +111,7 @@ def test_drf_tokens_become_digests_and_keep_working(drf_tokens: None) -> None:
         token = by_user[user.pk]
         assert token.token_hash == hash_api_key(key, key_pepper())
         assert token.prefix == key[:8] and token.created_at == created
+        assert token.scheme == ApiTokenScheme.UNLABELLED  # tenants 0006: verified as stored
 
     # Issued tokens keep working, and expire when they would have.
     client = APIClient()
