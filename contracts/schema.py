@@ -83,6 +83,12 @@ def hash_api_token(secret: str, pepper: bytes) -> str:
     the digest of any API key, and the other way round, whatever secret is presented and
     whichever prefix checks the callers make. Only the control plane computes it; it lives
     here, next to ``hash_api_key``, so that the two HMAC inputs are defined in one place.
+
+    The visible prefixes already keep the plaintexts apart where they are checked: the
+    gateway refuses, before hashing, anything that does not start with ``fw-``, which a
+    token's ``fwt-`` does not. But the token authentication checks no prefix (the tokens
+    carried over from DRF have none), and a digest carries none: the label makes the
+    separation a property of the stored digests themselves.
     """
     return hmac.new(
         pepper, API_TOKEN_DIGEST_LABEL + secret.encode("utf-8"), hashlib.sha256
