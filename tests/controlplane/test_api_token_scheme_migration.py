@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.db import connection
-from django.db.migrations.executor import MigrationExecutor
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -21,26 +20,19 @@ from contracts.schema import hash_api_key, hash_api_token
 from tenants import services
 from tenants.models import ApiToken, ApiTokenScheme
 
+from .helpers import migrate_tenants
+
 BEFORE = ("tenants", "0005_api_token")
 PW = "pw-12345"
 
 
-def _migrate(target: tuple[str, str] | None = None) -> None:
-    executor = MigrationExecutor(connection)
-    executor.loader.build_graph()
-    targets = (
-        [target] if target else [n for n in executor.loader.graph.leaf_nodes() if n[0] == "tenants"]
-    )
-    executor.migrate(targets)
-
-
 @pytest.fixture
 def before_labels(transactional_db: None) -> Iterator[None]:
-    _migrate(BEFORE)
+    migrate_tenants(BEFORE)
     try:
         yield
     finally:
-        _migrate()  # whatever happened, the database ends on the latest state
+        migrate_tenants()  # whatever happened, the database ends on the latest state
 
 
 def _insert_unlabelled(user: Any, secret: str, created: datetime) -> None:
@@ -67,7 +59,7 @@ def test_tokens_stored_before_keep_working_and_new_ones_are_labelled(before_labe
     _insert_unlabelled(scripted, fresh_secret, timezone.now() - timedelta(hours=1))
     _insert_unlabelled(stale, stale_secret, timezone.now() - timedelta(hours=30))
 
-    _migrate()
+    migrate_tenants()
 
     assert set(ApiToken.objects.values_list("scheme", flat=True)) == {ApiTokenScheme.UNLABELLED}
     assert _status(fresh_secret)[0] == 200
@@ -93,13 +85,13 @@ def test_migrating_back_deletes_only_the_labelled_tokens(before_labels: None) ->
     user = get_user_model().objects.create_user("scripted", password=PW)
     old_secret = "fwt-old-" + "d" * 35
     _insert_unlabelled(user, old_secret, timezone.now())
-    _migrate()
+    migrate_tenants()
     _, labelled = services.api_token_create(user=user)
 
-    _migrate(BEFORE)  # the release before cannot verify a labelled digest
+    migrate_tenants(BEFORE)  # the release before cannot verify a labelled digest
     with connection.cursor() as cursor:
         cursor.execute("SELECT token_hash FROM tenants_apitoken")
         assert cursor.fetchall() == [(hash_api_key(old_secret, services.key_pepper()),)]
 
-    _migrate()
+    migrate_tenants()
     assert _status(old_secret)[0] == 200 and _status(labelled)[0] == 401
