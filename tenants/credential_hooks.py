@@ -11,8 +11,10 @@ keeps the new plaintext there until ``save`` has run the validators' ``password_
 (``django.contrib.auth.base_user``), while the upgrade clears it before saving, as the new
 hash is the same password's. An upgrade therefore revokes nothing. A save that leaves the
 password unusable revokes what the user still holds (they cannot obtain new tokens without a
-password anyway). The revocation runs in the saving transaction: the request's
-(``ATOMIC_REQUESTS``), so the password and the tokens change together.
+password anyway). The revocation runs in the saving transaction: for a page, the request's
+(``ATOMIC_REQUESTS``), so the password and the tokens change together; outside a request
+(``changepassword``, a shell in autocommit) the save has committed already and the tokens
+go in a transaction of their own right after it.
 """
 
 from __future__ import annotations
