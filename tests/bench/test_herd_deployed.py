@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from bench.herd import ARMS, HerdConfig, arrivals, main, run_arm, workload
 from bench.sim import HEAVY_PROMPT, LongContextLedger, replica_records, sim_engine, sim_version
 from emulator.profiles import get_profile
@@ -111,3 +113,13 @@ def test_main_writes_the_policy_report_with_both_policies(tmp_path: Path) -> Non
     rows = [line for line in text.splitlines() if line.startswith("| 8 req/s")]
     assert [row.split(" | ")[1] for row in rows] == [OLD.label, NEW.label]
     assert "new policy (placement + budget) against old" in text
+
+
+def test_a_reserved_pool_needs_the_classes_and_runs_with_them(tmp_path: Path) -> None:
+    argv = ["--rates", "8", "--replicas", "3", "--duration", "12", "--warmup", "4",
+            "--reserved-pool", "1", "--arms", NEW.label, "--out", str(tmp_path)]  # fmt: skip
+    with pytest.raises(SystemExit):
+        main(argv)  # only reserved traffic enters the pool: no classes, no pool
+    assert main([*argv, "--classes", "--report", "pool"]) == 0
+    text = (tmp_path / "pool.md").read_text()
+    assert "the first 1 replicas a reserved pool" in text
