@@ -125,6 +125,14 @@ def yields_to_waiting(
     every arrival then finds someone ahead, and the fleet simulation's budget refused long
     prompts with most of it free until their clients gave up
     (bench/results/fleet_sim_isolation_drain.md). A lone tenant (nobody ahead) never
-    yields."""
+    yields.
+
+    The KV clause: a prefill slot frees at the first token but the request's KV stays until
+    it ends, so with long outputs the KV can run short while slots are free, and the same
+    lottery would decide who gets it. In the fleet simulation's sizing probes and its
+    six-heavy-tenant run it never decided an ask (0 of ~350 and of 2,915 that reached it;
+    the slot clause refused 0-5 and 2,143): the designated replicas' KV holds several 128k
+    requests per prefill slot, so there the slots run short first
+    (bench/results/fleet_sim_isolation_yield.md)."""
     ahead = len(waiting_ahead(tenant, waiting, served, usage))
     return ahead > 0 and (slots_left < ahead or kv_left < ahead * need)
