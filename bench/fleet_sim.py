@@ -17,7 +17,6 @@ clients retry as described per experiment.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import heapq
 import math
 import random
@@ -32,18 +31,24 @@ import numpy as np
 
 from bench.cliff import CliffPoint, run_engine
 from bench.noisy_neighbour import threshold_prefill_rate
-from bench.sim import SimRegistry, replica_records, scrape, sim_version
+from bench.sim import (
+    HEAVY_PROMPT,
+    LongContextLedger,
+    SimRegistry,
+    heavy_arrivals,
+    replica_records,
+    scrape,
+    sim_engine,
+    sim_version,
+)
 from bench.stats import TPOT_SLO_S, TTFT_SLO_S, clopper_pearson_lower, lone_prefill_feasible
 from bench.stats import fmt_ms as _ms
 from bench.stats import fmt_pct as _pct
 from bench.stats import percentile as _p
 from bench.workload import DESIGN_OUTPUT, DESIGN_PROMPT, poisson_arrivals
-from emulator.engine import Engine
 from emulator.profiles import LLAMA_70B_TP4_H100, Profile, get_profile
-from emulator.replica_flags import platform_engine_config
 from gateway.admission.config import LAYERS, VLLM_PRIORITY, AdmissionConfig, Strategy
-from gateway.admission.estimates import long_context_threshold, prefill_bound_seconds
-from gateway.admission.long_context import long_context_admits, long_context_budget
+from gateway.admission.estimates import long_context_threshold
 from gateway.admission.replicas import ReplicaState
 from gateway.admission.retry import (
     capacity_retry_after_ms,
@@ -56,8 +61,6 @@ from gateway.admission.router import Router
 RESULTS = Path(__file__).parent / "results"
 PROFILE = "llama-70b-tp4-h100"
 SIM_VERSION = "llama-70b-sim"
-
-HEAVY_PROMPT = 128_000  # a flooding tenant's prompt (plus its output fits the context)
 
 # Event kinds, ordered so that at equal times steps finish before new arrivals are routed.
 _STEP, _SCRAPE, _KILL, _ARRIVE = range(4)
@@ -418,10 +421,7 @@ class _Gateway:
     def __init__(self, n: int, profile: Profile, cfg: AdmissionConfig, seed: int,
                  clock: Callable[[], float], reserved: int = 0) -> None:  # fmt: skip
         # The first ``reserved`` replicas form the reserved pool (docs/design.md R2).
-        self.records = [
-            dataclasses.replace(rec, pool="reserved") if i < reserved else rec
-            for i, rec in enumerate(replica_records(n, name=str))
-        ]
+        self.records = replica_records(n, name=str, reserved=reserved)
         self.states = [ReplicaState(record=rec, version=SIM_VERSION) for rec in self.records]
         self.version = sim_version(
             SIM_VERSION, "llama-70b", profile, self.records,
@@ -438,10 +438,7 @@ class _Replica:
 
     def __init__(self, idx: int, profile: Profile, seed: int, long_prefill_tokens: int = 0) -> None:
         self.idx = idx
-        flags = platform_engine_config(
-            enable_prefix_caching=False, long_prefill_token_threshold=long_prefill_tokens
-        )
-        self.engine = Engine(profile, flags, seed=seed)
+        self.engine = sim_engine(profile, seed, long_prefill_tokens)
         self.alive = True
         self.stepping = False
 
@@ -490,19 +487,14 @@ class FleetSim:
         self.open_measured = 0  # measured arrivals (not heavy) not yet resolved
         self.tokens_at_warmup = np.zeros(cfg.replicas, dtype=np.int64)
         self._tick = {"arrivals": 0, "retries": 0, "rejected": 0, "rejected_first": 0, "errors": 0}
-        # The fleet's long-context ledger (Redis in production): lease -> (tenant, bytes,
-        # prefill slot held until); tenants refused -> when.
-        self.long_leases: dict[str, tuple[str, int, float]] = {}
-        self.long_waiting: dict[str, float] = {}
-        self.long_served: dict[str, float] = {}  # each tenant's last long admission
         self.long_refused = 0
         self.long_refused_by: dict[str, int] = {}
-        self.long_admitted_by: dict[str, int] = {}
         # Per replica, its steps of TPOT_SLO_S or longer: (start, end, tokens, sequences).
         self.slow_steps: list[list[SlowStep]] = [[] for _ in range(cfg.replicas)]
         version = self.gws[0].version
         self.long_threshold = long_context_threshold(version)
-        self.version_rec = version
+        # The fleet's long-context ledger (Redis in production).
+        self.ledger = LongContextLedger(version, cfg.replicas - cfg.reserved_replicas, self.adm)
 
     # -- events ------------------------------------------------------------------------
 
@@ -545,12 +537,10 @@ class FleetSim:
             self._add(r)
         rid += len(times)
         for h in range(cfg.heavy_tenants):
-            hrng = np.random.default_rng(cfg.seed * 101 + h + salt)
             rate = cfg.heavy_rates[h % len(cfg.heavy_rates)] if cfg.heavy_rates else cfg.heavy_rps
-            for t in poisson_arrivals(hrng, rate, start, end):
-                out = int(min(3_000, max(1, DESIGN_OUTPUT.sample(hrng, 1)[0])))
+            for t, out in heavy_arrivals(cfg.seed * 101 + h + salt, rate, start, end):
                 r = SimRequest(rid=rid, tenant_class="standard", prompt=HEAVY_PROMPT,
-                               output=out, arrival=float(t), priority=VLLM_PRIORITY["standard"],
+                               output=out, arrival=t, priority=VLLM_PRIORITY["standard"],
                                tenant=f"heavy-{h + 1}", heavy=True)  # fmt: skip
                 rid += 1
                 self._add(r)
@@ -627,9 +617,7 @@ class FleetSim:
                 self._reject(r, now, wait, REFUSED_LONG_BUDGET)
                 return
         if self.adm.context_placement:
-            fleet = sum(b for _, b, _ in self.long_leases.values())
-            own = self.long_leases[lease][1] if r.long_lease else 0
-            gw.router.note_fleet_long(SIM_VERSION, fleet - own)
+            gw.router.note_fleet_long(SIM_VERSION, self.ledger.fleet_bytes(but=lease))
         growth = r.output * self.kv_bytes if long_context else 0  # reserved, as the gateway
         record = gw.router.choose(
             gw.version,
@@ -680,48 +668,14 @@ class FleetSim:
             self.push(now, _STEP, idx)
 
     def _long_admit(self, r: SimRequest, lease: str, now: float) -> bool:
-        """The admit script's long-context budget (long_context.long_context_admits)."""
-        window = self.adm.long_context_demand_window_s
-        for who, at in list(self.long_waiting.items()):
-            if at < now - window:
-                del self.long_waiting[who]
-        usage: dict[str, int] = {}
-        prefilling = 0
-        for who, b, pend in self.long_leases.values():
-            usage[who] = usage.get(who, 0) + b
-            prefilling += pend > now
-        shared = self.cfg.replicas - self.cfg.reserved_replicas
-        budget, slots = long_context_budget(self.version_rec, shared, "standard", self.adm)
+        """The admit script's long-context budget (``LongContextLedger.admit``)."""
         need = (r.prompt + r.output) * self.kv_bytes  # prompt and output growth, as the gateway
-        ok = long_context_admits(tenant=r.tenant, need=need, budget=budget, slots=slots,
-                                 usage=usage, prefilling=prefilling,
-                                 waiting=self.long_waiting.keys(),
-                                 served=self.long_served)  # fmt: skip
-        if ok:
-            self.long_admitted_by[r.tenant] = self.long_admitted_by.get(r.tenant, 0) + 1
-            self.long_served[r.tenant] = now
-            # The prefill slot is held until the first token (_prefilled); the bound is only
-            # the gateway's safety expiry for a release that never comes.
-            hold = self.adm.long_prefill_hold_factor * prefill_bound_seconds(
-                r.prompt, self.version_rec
-            )
-            self.long_leases[lease] = (r.tenant, need, now + hold)
-            self.long_waiting.pop(r.tenant, None)
-            r.long_lease = True
-        else:
-            self.long_waiting[r.tenant] = now
-        return ok
-
-    def _prefilled(self, lease: str, at: float) -> None:
-        """The first token reached the gateway: the long prefill gives its slot back (its
-        KV stays leased until the request ends), as the gateway's ``prefill_done``."""
-        held = self.long_leases.get(lease)
-        if held is not None:
-            self.long_leases[lease] = (held[0], held[1], at)
+        r.long_lease = self.ledger.admit(r.tenant, lease, need, r.prompt, now)
+        return r.long_lease
 
     def _long_release(self, r: SimRequest, lease: str) -> None:
         if r.long_lease:
-            self.long_leases.pop(lease, None)
+            self.ledger.release(lease)
             r.long_lease = False
 
     # -- replicas ------------------------------------------------------------------------
@@ -748,7 +702,7 @@ class FleetSim:
                 h.first_token = end
                 h.scheduled = req.first_scheduled_time
                 h.preempted_before_first = req.num_preemptions
-                self._prefilled(req.request_id, end)
+                self.ledger.prefilled(req.request_id, end)
                 gw = self.gws[req.handle.gateway]
                 gw.router.on_first_token(gw.records[idx], req.request_id)
         for req in res.finished:
@@ -849,7 +803,7 @@ class FleetSim:
             gave_up=self.gave_up,
             long_refused=self.long_refused,
             long_refused_by=self.long_refused_by,
-            long_admitted_by=self.long_admitted_by,
+            long_admitted_by=self.ledger.admitted_by,
             slow_steps=self.slow_steps,
         )
 

@@ -44,9 +44,11 @@ from bench.noisy_neighbour import (
     tenants,
 )
 from bench.stats import (
+    RETRY_HEADER,
     TPOT_SLO_S,
     TTFT_SLO_S,
     Outcome,
+    RetryCounts,
     lone_prefill_feasible,
     percentile,
     ratio_interval,
@@ -125,9 +127,11 @@ def refused_counts(outs: Sequence[Outcome], tenant_id: str) -> Refused:
     mine = [o for o in outs if o.tenant_id == tenant_id]
     long = [o for o in mine if o.prompt_tokens >= LONG_PROMPT_TOKENS]
     return Refused(
-        r429=sum(o.status == 429 for o in mine),
-        r503=sum(o.status == 503 for o in mine),
-        long_refused=sum(o.status == 503 and _long_context_refusal(o.error) for o in long),
+        r429=sum(o.refused and o.status == 429 for o in mine),
+        r503=sum(o.refused and o.status == 503 for o in mine),
+        long_refused=sum(
+            o.refused and o.status == 503 and _long_context_refusal(o.error) for o in long
+        ),
         long_sent=len(long),
     )
 
@@ -135,10 +139,19 @@ def refused_counts(outs: Sequence[Outcome], tenant_id: str) -> Refused:
 REFUSED_HEADERS = (
     f"refused 429 / 503 (long-context 503s of prompts ≥ {LONG_PROMPT_TOKENS:,} tokens)",
     "refused (quiet)",
+    RETRY_HEADER,
+    "(quiet)",
 )
 REFUSED_NOTE = (
-    "Refused requests (429, 503) have no TTFT or TPOT: they are not in the p95s and ratios above."
+    "Refused requests (429, 503: refused on the client's last attempt) have no TTFT or TPOT: "
+    "they are not in the p95s and ratios above. A request served after retries has its TTFT "
+    "from its first attempt; one cut off at the deadline while waiting to retry counts its "
+    "wait as a TTFT lower bound, not as refused."
 )
+
+
+def _retry_cell(outs: Sequence[Outcome], tenant_id: str) -> str:
+    return RetryCounts.of(o for o in outs if o.tenant_id == tenant_id).cell()
 
 
 def _interval(xs: Sequence[float], ys: Sequence[float]) -> str:
@@ -168,6 +181,7 @@ def pooled_lines(
                 worst_tpot = max(worst_tpot, ratio if math.isfinite(ratio) else math.inf)
             cells.append(f"{_fmt(ratio)}x ({_interval(xs, ys)}), n={len(xs)}")
         cells += [refused_counts(outs, tid).cell() for outs in (arm_outs, quiet_outs)]
+        cells += [_retry_cell(outs, tid) for outs in (arm_outs, quiet_outs)]
         lines.append(f"| {tid} | " + " | ".join(cells) + " |")
     return lines, worst_ttft, worst_tpot
 
@@ -207,7 +221,8 @@ def evaluate(
             f"| {tid} | {g.ttft.p95 * 1000:.0f} ({r_ttft:.2f}x; {i_ttft}) | "
             f"{g.tpot.p95 * 1000:.1f} ({r_tpot:.2f}x; {i_tpot}) | {g.attainment:.1%} | "
             f"{'yes' if held else 'no'} | {refused_counts(res.outcomes, tid).cell()} | "
-            f"{refused_counts(quiet.outcomes, tid).cell()} |"
+            f"{refused_counts(quiet.outcomes, tid).cell()} | "
+            f"{_retry_cell(res.outcomes, tid)} | {_retry_cell(quiet.outcomes, tid)} |"
         )
     # Goodput of a flooding tenant: the prompt tokens of its completed requests (a long
     # context's cost is its prefill), with the completed requests and output tokens beside.
@@ -216,9 +231,9 @@ def evaluate(
     }
     served = {tid: sum(o.prompt_tokens for o in outs) for tid, outs in done.items()}
     out_tokens = {tid: sum(o.completion_tokens for o in outs) for tid, outs in done.items()}
-    refused = {
-        tid: sum(1 for o in res.outcomes if o.tenant_id == tid and o.status in (429, 503))
-        for tid in noisy_ids
+    refused = {tid: sum(o.refused for o in res.outcomes if o.tenant_id == tid) for tid in noisy_ids}
+    flood_retries = {
+        tid: RetryCounts.of(o for o in res.outcomes if o.tenant_id == tid) for tid in noisy_ids
     }
     done_any = any(o.tenant_id in noisy_ids for o in res.outcomes)  # the arm sent floods
     fair = min(served.values(), default=0) > 0 and max(served.values()) <= 2 * min(served.values())
@@ -233,7 +248,7 @@ def evaluate(
         "refused = 429 + 503): "
         + ", ".join(
             f"`{tid}` {len(done[tid])} / {served[tid]:,} / {out_tokens[tid]:,} tok, "
-            f"{refused[tid]} refused"
+            f"{refused[tid]} refused (client retries: {flood_retries[tid].cell()})"
             for tid in noisy_ids
         )
         + f". The long-context replicas can prefill at most ~{slots:.1f} such prompts in the "
@@ -356,7 +371,7 @@ def run_multi(
                             "",
                             "| tenant | TTFT p95 ms (× quiet) | TPOT p95 ms (× quiet) | "
                             f"attainment | SLOs held | {' | '.join(REFUSED_HEADERS)} |",
-                            "| --- | --- | --- | --- | --- | --- | --- |",
+                            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
                             *lines,
                             "",
                         ]
@@ -396,7 +411,7 @@ def _pooled_section(
             "",
             "| tenant | TTFT p95 ratio (interval), n | TPOT p95 ratio (interval), n | "
             f"{' | '.join(REFUSED_HEADERS)} |",
-            "| --- | --- | --- | --- | --- |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
             *lines,
             "",
             REFUSED_NOTE,
@@ -430,6 +445,8 @@ def _write(
         f"sending 128k-token prompts at {cfg.noisy_rps} req/s inside its own plan limits. "
         f"Counts {', '.join(map(str, counts))}; seeds {', '.join(map(str, seeds))}. "
         f"Each run's arms against the quiet baseline (no flooding tenant) of the same seed. "
+        + _client_note(cfg)
+        + " "
         f"Started {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}.",
         "",
         *([load_note, ""] if load_note else []),
@@ -440,3 +457,13 @@ def _write(
         *sections,
     ]
     path.write_text("\n".join(text) + "\n")
+
+
+def _client_note(cfg: NNConfig) -> str:
+    if cfg.client_retries == 0:
+        return "Clients send each request once (no retries)."
+    return (
+        f"Clients retry a 429/503 up to {cfg.client_retries} times as the openai Python SDK "
+        "does (bench/loadgen.py): the response's retry-after when within the SDK's 120 s, "
+        "else 0.5 s, 1 s, … backoff less up to 25 % jitter; TTFT from the first attempt."
+    )

@@ -10,7 +10,17 @@ import numpy as np
 
 from bench.noisy_neighbour import ARM_TITLES, ArmResult, NNConfig, summarise
 from bench.plots import arms_timeseries
-from bench.stats import TPOT_SLO_S, TTFT_SLO_S, GroupStats, fmt_ms, fmt_pct, within
+from bench.stats import (
+    RETRY_HEADER,
+    TPOT_SLO_S,
+    TTFT_SLO_S,
+    GroupStats,
+    RetryCounts,
+    fmt_ms,
+    fmt_pct,
+    group_by,
+    within,
+)
 from bench.workload import NOISY_PROMPT_TOKENS, TenantSpec
 from emulator.profiles import Profile
 
@@ -256,7 +266,13 @@ def _intro(cfg: NNConfig, specs: Sequence[TenantSpec], profile: Profile, command
         f"of Poisson arrivals per arm (seed {cfg.seed}), first {cfg.warmup_s:g} s not counted, "
         f"{cfg.drain_s:g} s to drain. Latencies in model time per real token. Tenants: "
         + ", ".join(f"`{t.tenant_id}` {t.plan} {t.rate_rps:g} req/s" for t in specs)
-        + ". The noisy tenant sends 128,000-token prompts.\n",
+        + ". The noisy tenant sends 128,000-token prompts. "
+        + (
+            f"Clients retry a 429/503 up to {cfg.client_retries} times as the openai Python "
+            "SDK does (bench/loadgen.py); TTFT from the first attempt.\n"
+            if cfg.client_retries
+            else "Clients send each request once (no retries).\n"
+        ),
     ]
 
 
@@ -289,6 +305,9 @@ def _arm_section(
         md.append("\nMost frequent failures: " + "; ".join(f"{n}× `{e}`" for e, n in top))
     md.append("")
     md += _table(STATS_HEADER, [_stats_row(g) for g in by_tenant.values()])
+    retries = sorted(group_by(res.outcomes, lambda o: o.tenant_id).items())
+    md.append("")
+    md += _table(["tenant", RETRY_HEADER], [[t, RetryCounts.of(o).cell()] for t, o in retries])
     return md
 
 

@@ -43,7 +43,15 @@ from pathlib import Path
 import redis
 
 from bench import cluster
-from bench.loadgen import LoadGenerator, RawResult, Router, Target, round_robin, to_outcome
+from bench.loadgen import (
+    SDK_MAX_RETRIES,
+    LoadGenerator,
+    RawResult,
+    Router,
+    Target,
+    round_robin,
+    to_outcome,
+)
 from bench.stats import GroupStats, Outcome, group_by
 from bench.workload import (
     DESIGN_OUTPUT,
@@ -151,6 +159,11 @@ class NNConfig:
     free_rps: float = 1.0
     noisy_rps: float = 0.4  # each noisy tenant
     noisy_tenants: int = 1  # standard tenants flooding 128k prompts at once, each in its limits
+    # Every tenant's client retries a refusal as the openai Python SDK does, with its default
+    # of 2 retries (bench/loadgen.py: sdk_retry_delay): what real clients do, so a 503 with a
+    # short retry-after costs the user a wait, not the request. 0: each request sent once
+    # (the runs before this option).
+    client_retries: int = SDK_MAX_RETRIES
     # Diagnostics (``--trace-dir``): per arm, each replica's finished requests (the emulator's
     # ``--request-log``), the gateway's usage events (request, tenant, replica, TTFT) and the
     # load generator's outcomes, under ``<trace_dir>/s<seed>-n<noisy>-<arm>/``.
@@ -358,7 +371,8 @@ async def _drive(
 
     prompts = PromptFactory(seed=cfg.seed)
     gen = LoadGenerator(model, route, prompts, speed=cfg.speed, max_inflight=4000,
-                        read_timeout_s=300.0)  # fmt: skip
+                        read_timeout_s=300.0, client_retries=cfg.client_retries,
+                        retry_seed=cfg.seed)  # fmt: skip
     specs = [_coarse_spec(r, cfg.k) for r in wl.requests]
     scraper = cluster.MetricsScraper(replicas, cfg.speed)
     bar = tqdm(total=len(specs), desc=f"noisy_neighbour {label}", unit="req", file=sys.stderr,
@@ -549,6 +563,14 @@ def main(argv: list[str] | None = None) -> int:
         "rate (an overload of the realistic replicas) instead of rates derived from the "
         "replica profile at the design's utilisation (bench/nn_capacity.py)",
     )
+    ap.add_argument(
+        "--client-retries",
+        type=int,
+        default=None,
+        help="retries each client makes after a 429/503 (or a connection failure), with the "
+        f"openai Python SDK's delays; default {SDK_MAX_RETRIES}, the SDK's default; 0 sends "
+        "every request once, as runs before this option did",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument(
         "--trace-dir",
@@ -567,6 +589,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, speed=args.speed)
     if args.duration is not None:
         cfg = dataclasses.replace(cfg, duration_s=args.duration)
+    if args.client_retries is not None:
+        if args.client_retries < 0:
+            ap.error("--client-retries must be >= 0")
+        cfg = dataclasses.replace(cfg, client_retries=args.client_retries)
     if args.chunk_tokens is not None:
         share = cfg.long_prefill_tokens / cfg.chunk_tokens
         cfg = dataclasses.replace(

@@ -8,13 +8,22 @@ Arrivals come from ``bench.workload.poisson_arrivals``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
+
+from bench.workload import DESIGN_OUTPUT, poisson_arrivals
 from contracts import schema
 from emulator.engine import Engine, StepResult
 from emulator.profiles import Profile
+from emulator.replica_flags import platform_engine_config
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.estimates import prefill_bound_seconds
+from gateway.admission.long_context import long_context_admits, long_context_budget
 from gateway.admission.replicas import ReplicaState
 from gateway.admission.router import Router
+
+HEAVY_PROMPT = 128_000  # a flooding tenant's prompt (plus its output fits the context)
 
 
 class SimRegistry:
@@ -34,10 +43,98 @@ class SimRegistry:
 
 
 def replica_records(
-    n: int, name: Callable[[int], str] = "r{}".format
+    n: int, name: Callable[[int], str] = "r{}".format, reserved: int = 0
 ) -> list[schema.ReplicaRecord]:
-    """``n`` shared replicas as the read model lists them (addresses are never dialled)."""
-    return [schema.ReplicaRecord(name(i), f"sim://{name(i)}", "shared") for i in range(n)]
+    """``n`` replicas as the read model lists them (addresses are never dialled): the first
+    ``reserved`` form the reserved pool (docs/design.md R2), the others are shared."""
+    return [
+        schema.ReplicaRecord(name(i), f"sim://{name(i)}", "reserved" if i < reserved else "shared")
+        for i in range(n)
+    ]
+
+
+def sim_engine(profile: Profile, seed: int, long_prefill_tokens: int = 0) -> Engine:
+    """One replica's ``Engine`` with the platform's flags, prefix caching off (the routing
+    simulations' prompts are unique) and ``--long-prefill-token-threshold``
+    ``long_prefill_tokens`` (0 = no cap; the platform's replica command sets 4 % of the
+    context, catalog/replica.py)."""
+    flags = platform_engine_config(
+        enable_prefix_caching=False, long_prefill_token_threshold=long_prefill_tokens
+    )
+    return Engine(profile, flags, seed=seed)
+
+
+def heavy_arrivals(seed: int, rate_rps: float, start: float, end: float) -> list[tuple[float, int]]:
+    """A flooding tenant's ``HEAVY_PROMPT`` requests on [start, end): (arrival, output
+    tokens), Poisson at ``rate_rps`` from ``seed``, outputs of the design's shape capped at
+    3,000 (so that prompt and output fit the context)."""
+    rng = np.random.default_rng(seed)
+    return [
+        (float(t), int(min(3_000, max(1, DESIGN_OUTPUT.sample(rng, 1)[0]))))
+        for t in poisson_arrivals(rng, rate_rps, start, end)
+    ]
+
+
+@dataclass(slots=True)
+class LongContextLedger:
+    """The fleet's long-context ledger (Redis in production, read by the admit script of
+    gateway/admission/quota.py) and the budget's decisions on it
+    (``long_context.long_context_admits``): leases (lease -> tenant, KV bytes, the time its
+    prefill slot is held until), tenants refused within the demand window (-> when), each
+    tenant's last admission, and the admissions per tenant."""
+
+    version: schema.ModelVersionRecord
+    shared_replicas: int
+    adm: AdmissionConfig
+    leases: dict[str, tuple[str, int, float]] = field(default_factory=dict)
+    waiting: dict[str, float] = field(default_factory=dict)
+    served: dict[str, float] = field(default_factory=dict)
+    admitted_by: dict[str, int] = field(default_factory=dict)
+
+    def admit(self, tenant: str, lease: str, need: int, prompt: int, now: float) -> bool:
+        """Whether the budget admits ``need`` KV bytes (prompt and output growth, as the
+        gateway charges them) of a ``prompt``-token long context for ``tenant``; if so the
+        lease is held until ``release``, its prefill slot until ``prefilled``."""
+        window = self.adm.long_context_demand_window_s
+        for who, at in list(self.waiting.items()):
+            if at < now - window:
+                del self.waiting[who]
+        usage: dict[str, int] = {}
+        prefilling = 0
+        for who, b, pend in self.leases.values():
+            usage[who] = usage.get(who, 0) + b
+            prefilling += pend > now
+        shared = self.shared_replicas
+        budget, slots = long_context_budget(self.version, shared, "standard", self.adm)
+        ok = long_context_admits(tenant=tenant, need=need, budget=budget, slots=slots,
+                                 usage=usage, prefilling=prefilling,
+                                 waiting=self.waiting.keys(), served=self.served)  # fmt: skip
+        if ok:
+            self.admitted_by[tenant] = self.admitted_by.get(tenant, 0) + 1
+            self.served[tenant] = now
+            # The prefill slot is held until the first token (``prefilled``); the bound is
+            # only the gateway's safety expiry for a release that never comes.
+            hold = self.adm.long_prefill_hold_factor * prefill_bound_seconds(prompt, self.version)
+            self.leases[lease] = (tenant, need, now + hold)
+            self.waiting.pop(tenant, None)
+        else:
+            self.waiting[tenant] = now
+        return ok
+
+    def prefilled(self, lease: str, at: float) -> None:
+        """The first token reached the gateway: the long prefill gives its slot back (its KV
+        stays leased until the request ends), as the gateway's ``prefill_done``."""
+        held = self.leases.get(lease)
+        if held is not None:
+            self.leases[lease] = (held[0], held[1], at)
+
+    def release(self, lease: str) -> None:
+        self.leases.pop(lease, None)
+
+    def fleet_bytes(self, but: str = "") -> int:
+        """The long-context KV leased fleet-wide, but lease ``but``'s own (what the router's
+        ``note_fleet_long`` is told with a budget answer)."""
+        return sum(b for lease, (_, b, _) in self.leases.items() if lease != but)
 
 
 def sim_version(

@@ -44,10 +44,18 @@ class Outcome:
     prompt_tokens: int = 0
     error: str | None = None
     retry_after_s: float | None = None
+    attempts: int = 1  # HTTP attempts: 1 + the client's retries (bench/loadgen.py)
+    retry_cut: bool = False  # cut off at the deadline while waiting to retry a refusal
 
     @property
     def completed(self) -> bool:
         return self.status == 200 and self.error is None and self.ttft_s is not None
+
+    @property
+    def refused(self) -> bool:
+        """Finally refused (429/503): the client made its last attempt, or made no retries.
+        One cut off while it waited to retry is not: it counts as cut off (failed)."""
+        return self.status in (429, 503) and not self.retry_cut
 
     def met_slo(self, ttft_slo: float = TTFT_SLO_S, tpot_slo: float = TPOT_SLO_S) -> bool:
         if not self.completed or self.ttft_s is None:
@@ -170,8 +178,8 @@ class GroupStats:
     def of(cls, name: str, outcomes: Sequence[Outcome], duration_s: float) -> GroupStats:
         done = [o for o in outcomes if o.completed]
         good = [o for o in outcomes if o.met_slo()]
-        n429 = sum(1 for o in outcomes if o.status == 429)
-        n503 = sum(1 for o in outcomes if o.status == 503)
+        n429 = sum(1 for o in outcomes if o.refused and o.status == 429)
+        n503 = sum(1 for o in outcomes if o.refused and o.status == 503)
         return cls(
             name=name,
             sent=len(outcomes),
@@ -188,6 +196,40 @@ class GroupStats:
             if duration_s > 0
             else math.nan,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class RetryCounts:
+    """What the client's retries (bench/loadgen.py) did for a group of requests: served on
+    the first attempt, served after one or more retries, finally refused (429/503), cut off
+    at the deadline while waiting to retry, and the retries made in all."""
+
+    first_try: int
+    after_retries: int
+    refused: int
+    cut_waiting: int
+    retries: int
+
+    @classmethod
+    def of(cls, outcomes: Iterable[Outcome]) -> RetryCounts:
+        outs = list(outcomes)
+        return cls(
+            first_try=sum(o.completed and o.attempts <= 1 for o in outs),
+            after_retries=sum(o.completed and o.attempts > 1 for o in outs),
+            refused=sum(o.refused for o in outs),
+            cut_waiting=sum(o.retry_cut for o in outs),
+            retries=sum(max(0, o.attempts - 1) for o in outs),
+        )
+
+    def cell(self) -> str:
+        cut = f", {self.cut_waiting} cut waiting" if self.cut_waiting else ""
+        return (
+            f"{self.first_try} / {self.after_retries} / {self.refused} "
+            f"({self.retries} retries{cut})"
+        )
+
+
+RETRY_HEADER = "served 1st try / after retries / finally refused (retries made)"
 
 
 def group_by(

@@ -62,8 +62,37 @@ def hash_api_key(secret: str, pepper: bytes) -> str:
 
     Both sides hash the same way: the control plane when it stores a key, the
     gateway on every request. The secret itself is never stored anywhere.
+
+    An API key's HMAC input is the secret alone, as it has been since the first key was
+    issued: a label here would change every stored digest, and so refuse every issued key.
+    Its domain is still apart from the management-API tokens' (``hash_api_token``): an API
+    key starts with ``fw-`` and holds no NUL byte (``keyformat.classify``), while every
+    token input starts with ``API_TOKEN_DIGEST_LABEL``, so no input is in both.
     """
     return hmac.new(pepper, secret.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+# The domain label of management-API token digests, before the token in the HMAC input.
+API_TOKEN_DIGEST_LABEL = b"fairway/api-token\0"
+
+
+def hash_api_token(secret: str, pepper: bytes) -> str:
+    """HMAC-SHA256 of a management-API token, labelled, with the API keys' pepper, hex.
+
+    The label keeps the two kinds of digest apart by construction: a token digest is never
+    the digest of any API key, and the other way round, whatever secret is presented and
+    whichever prefix checks the callers make. Only the control plane computes it; it lives
+    here, next to ``hash_api_key``, so that the two HMAC inputs are defined in one place.
+
+    The visible prefixes already keep the plaintexts apart where they are checked: the
+    gateway refuses, before hashing, anything that does not start with ``fw-``, which a
+    token's ``fwt-`` does not. But the token authentication checks no prefix (the tokens
+    carried over from DRF have none), and a digest carries none: the label makes the
+    separation a property of the stored digests themselves.
+    """
+    return hmac.new(
+        pepper, API_TOKEN_DIGEST_LABEL + secret.encode("utf-8"), hashlib.sha256
+    ).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,10 +3,12 @@ throttled per client address.
 
 ``POST /api/v1/auth/token/`` (username and password) answers ``{"token": …}`` with a new
 token: its plaintext is in that response only; the database keeps its peppered HMAC
-(``tenants.models.ApiToken``), as for API keys. ``tenants.authentication`` refuses a token
+(``tenants.models.ApiToken``), as for API keys but with a label of its own
+(``contracts.schema.hash_api_token``). ``tenants.authentication`` refuses a token
 older than ``FAIRWAY_API_TOKEN_MAX_AGE_H`` hours, so a token copied into a script or a CI log
 does not work for ever. ``DELETE`` on the same URL revokes the token the request was made
-with, or (``?all=true``) every token of the caller. The password check is throttled per
+with, or (``?all=true``) every token of the caller; a change of the user's password revokes
+them all (``tenants.credential_hooks``). The password check is throttled per
 address (``FAIRWAY_AUTH_TOKEN_RATE``) in a cache shared by every web process (Redis), as the
 console's sign-in is by django-axes.
 """

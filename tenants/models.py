@@ -282,18 +282,38 @@ class ApiKey(models.Model):
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > at)
 
 
+class ApiTokenScheme(models.IntegerChoices):
+    """How an ``ApiToken``'s ``token_hash`` was computed (``tenants.selectors``)."""
+
+    # HMAC(pepper, token), the API keys' digest: every token issued before the label existed,
+    # the DRF tokens carried over by migration 0005 included. Accepted until they expire.
+    UNLABELLED = 1, "unlabelled (API keys' HMAC)"
+    # HMAC(pepper, label + token) (contracts.schema.hash_api_token): every token issued now.
+    LABELLED = 2, "labelled"
+
+
 class ApiToken(models.Model):
     """A management-API token (``/api/v1/``, sent as ``Authorization: Token …`` or
     ``Bearer …``). Like an API key's secret, the token is returned once, by the token
     endpoint, and only its peppered HMAC is stored. It expires
     ``FAIRWAY_API_TOKEN_MAX_AGE_H`` hours after ``created_at`` (``tenants.authentication``);
-    revoking it deletes the row."""
+    revoking it deletes the row, and so does a change of its user's password
+    (``tenants.credential_hooks``)."""
 
     user = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens"
     )
     prefix = models.CharField(max_length=16, help_text="Visible start of the token.")
     token_hash = models.CharField(max_length=64, unique=True, editable=False)
+    # A row written without it (by a process of the release before, during a rolling
+    # deploy) holds that release's unlabelled digest: hence the database default.
+    scheme = models.PositiveSmallIntegerField(
+        choices=ApiTokenScheme.choices,
+        default=ApiTokenScheme.LABELLED,
+        db_default=ApiTokenScheme.UNLABELLED,
+        editable=False,
+        help_text="How token_hash was computed.",
+    )
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
 

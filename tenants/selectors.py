@@ -13,14 +13,22 @@ from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
 from django.core.exceptions import PermissionDenied
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.http import Http404
 
 from catalog.models import ModelFamily
 from tenants.limits import EffectiveLimit, effective_limits
-from tenants.models import ApiKey, ApiKeyModelLimit, ApiToken, Membership, Role, Tenant
+from tenants.models import (
+    ApiKey,
+    ApiKeyModelLimit,
+    ApiToken,
+    ApiTokenScheme,
+    Membership,
+    Role,
+    Tenant,
+)
 from tenants.permissions import is_operator
-from tenants.services import api_token_hash
+from tenants.services import api_token_hash, api_token_hash_unlabelled
 
 OPERATOR = "operator"
 # Who may do what. Billing members see invoices only (billing/ checks its own pages), so they
@@ -199,5 +207,17 @@ def api_key_limit_get(*, api_key: ApiKey, family: str) -> KeyLimit:
 def api_token_for_secret(*, secret: str) -> ApiToken | None:
     """The token a caller presents, with its user, expired or not. Found by its digest in a
     unique index: the secret itself is never compared, so no timing says how much of it
-    matched."""
-    return ApiToken.objects.select_related("user").filter(token_hash=api_token_hash(secret)).first()
+    matched.
+
+    Tokens issued before digests were labelled (``ApiTokenScheme.UNLABELLED``) are looked up
+    under their own digest, and only among rows of that scheme, so a labelled row is never
+    matched by the API keys' HMAC. They are accepted as they are until they expire rather
+    than re-hashed on use: every token expires within ``FAIRWAY_API_TOKEN_MAX_AGE_H`` hours
+    and the hourly task then deletes it, so the old scheme leaves the table by itself one
+    maximum age after the upgrade, with no write on the authentication path (and no race
+    between a token's concurrent requests) to get there. One more HMAC per request is all
+    the fallback costs; once no unlabelled row is left, a later release can drop it."""
+    match = Q(scheme=ApiTokenScheme.LABELLED, token_hash=api_token_hash(secret)) | Q(
+        scheme=ApiTokenScheme.UNLABELLED, token_hash=api_token_hash_unlabelled(secret)
+    )
+    return ApiToken.objects.select_related("user").filter(match).first()

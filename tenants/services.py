@@ -7,6 +7,7 @@ write path (see ``readmodel_hooks``).
 
 from __future__ import annotations
 
+import logging
 import secrets
 import uuid
 from collections.abc import Iterable
@@ -23,7 +24,7 @@ from django.utils import timezone
 
 from catalog.models import ModelFamily
 from contracts import keyformat
-from contracts.schema import API_KEY_PREFIX, SCOPES, hash_api_key
+from contracts.schema import API_KEY_PREFIX, SCOPES, hash_api_key, hash_api_token
 from tenants.floors import check_floors_after
 from tenants.limits import effective_limits
 from tenants.models import (
@@ -31,6 +32,7 @@ from tenants.models import (
     ApiKey,
     ApiKeyModelLimit,
     ApiToken,
+    ApiTokenScheme,
     LimitFields,
     Membership,
     Plan,
@@ -42,6 +44,8 @@ from tenants.models import (
 )
 
 VISIBLE_PREFIX_CHARS = 8
+
+log = logging.getLogger("tenants.services")
 
 
 def key_pepper() -> bytes:
@@ -318,7 +322,14 @@ API_TOKEN_LAST_USED_RESOLUTION = timedelta(seconds=60)
 
 
 def api_token_hash(secret: str) -> str:
-    """What is stored of a management-API token: the API keys' HMAC, with the same pepper."""
+    """What is stored of a management-API token issued now (``ApiTokenScheme.LABELLED``):
+    the labelled HMAC, with the API keys' pepper, so that it is never an API key's digest."""
+    return hash_api_token(secret, key_pepper())
+
+
+def api_token_hash_unlabelled(secret: str) -> str:
+    """The digest of tokens issued before the label (``ApiTokenScheme.UNLABELLED``): the API
+    keys' HMAC. Only looked up, never written (``selectors.api_token_for_secret``)."""
     return hash_api_key(secret, key_pepper())
 
 
@@ -345,6 +356,7 @@ def api_token_create(*, user: AbstractBaseUser) -> tuple[ApiToken, str]:
         user=user,
         prefix=secret[: len(API_TOKEN_PREFIX) + VISIBLE_PREFIX_CHARS],
         token_hash=api_token_hash(secret),
+        scheme=ApiTokenScheme.LABELLED,
     )
     token.full_clean()
     token.save()
@@ -363,6 +375,26 @@ def api_token_revoke_all(*, user: AbstractBaseUser) -> int:
     """Every management-API token of ``user``; returns how many there were."""
     deleted, _ = ApiToken.objects.filter(user=user).delete()
     return deleted
+
+
+@transaction.atomic
+def user_password_changed(*, user: AbstractBaseUser) -> int:
+    """The user's password was just set, or made unusable: revoke every management-API token
+    of theirs, so that a token obtained with the old password (or copied from a script)
+    stops working with it. Returns how many were revoked; the log line follows the commit.
+
+    Called for every write path by ``tenants.credential_hooks``. Console sessions need
+    nothing here: Django signs out every session whose stored password hash no longer
+    matches on its next request, and the password-change views keep the current one
+    (``update_session_auth_hash``)."""
+    revoked = api_token_revoke_all(user=user)
+    user_id = user.pk
+    transaction.on_commit(
+        lambda: log.info(
+            "password of user %s changed: %d management-API token(s) revoked", user_id, revoked
+        )
+    )
+    return revoked
 
 
 @transaction.atomic

@@ -283,7 +283,8 @@ FAIRWAY_REPLICA_ALLOWED_HOSTS = env_list(
 FAIRWAY_MAX_KEYS_PER_TENANT = env_int("FAIRWAY_MAX_KEYS_PER_TENANT", 100)
 
 # Management-API tokens are refused once this old; sign in again for a new one. Only their
-# HMAC is stored (tenants.models.ApiToken); expired rows are deleted hourly.
+# HMAC is stored (tenants.models.ApiToken); expired rows are deleted hourly, and a user's
+# password change deletes all of theirs.
 FAIRWAY_API_TOKEN_MAX_AGE_H = env_int("FAIRWAY_API_TOKEN_MAX_AGE_H", 24)
 # Each obtain issues a new token; a user keeps at most this many (the oldest go first).
 FAIRWAY_API_TOKENS_PER_USER = env_int("FAIRWAY_API_TOKENS_PER_USER", 20)

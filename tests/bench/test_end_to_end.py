@@ -144,3 +144,32 @@ def test_herd_quick(tmp_path: Path) -> None:
     for arm in herd.ARMS:
         assert f"| 6 req/s (2 decisions per scrape) | {arm.label} |" in report
     assert (tmp_path / "herd.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_noisy_neighbour_smoke_with_client_retries(bench_redis_url: str, tmp_path: Path) -> None:
+    """The SDK's retries through the real gateway (the default client): every request made
+    1-3 attempts; one finally refused made all three unless its retry-after was past the
+    SDK's 120 s; the report counts them per tenant."""
+    from bench.loadgen import SDK_MAX_RETRIES, SDK_MAX_RETRY_AFTER_S
+    from bench.stats import RETRY_HEADER
+
+    cfg = NNConfig.smoke()
+    assert cfg.client_retries == SDK_MAX_RETRIES
+    results = run(cfg, ["quiet", "c"], tmp_path, "test", write_report)
+    for arm, res in results.items():
+        assert all(1 <= o.attempts <= 1 + SDK_MAX_RETRIES for o in res.outcomes), arm
+        for o in res.outcomes:
+            if o.refused:
+                too_long = (o.retry_after_s or 0) * cfg.speed > SDK_MAX_RETRY_AFTER_S
+                assert o.attempts == 1 + SDK_MAX_RETRIES or too_long, o
+        assert any(o.completed and o.attempts == 1 for o in res.outcomes), arm
+    report = (tmp_path / "noisy_neighbour.md").read_text()
+    assert RETRY_HEADER in report and "Clients retry a 429/503 up to 2 times" in report
+
+
+def test_noisy_neighbour_client_retries_must_not_be_negative() -> None:
+    from bench.noisy_neighbour import main
+
+    with pytest.raises(SystemExit):
+        main(["--smoke", "--client-retries", "-1"])

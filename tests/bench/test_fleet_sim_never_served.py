@@ -52,7 +52,7 @@ def test_a_long_prompt_the_budget_refuses_on_every_attempt_is_never_served_by_it
     cfg = FleetConfig(replicas=4, duration_s=10.0, warmup_s=0.0, gateways=1, isolation=True,
                       max_attempts=1)  # fmt: skip
     sim = FleetSim(cfg, get_profile(fleet_sim.PROFILE))
-    sim.long_leases["0.0"] = ("other", 1_000 * sim.kv_bytes, 100.0)  # prefilling until 100 s
+    sim.ledger.leases["0.0"] = ("other", 1_000 * sim.kv_bytes, 100.0)  # prefilling until 100 s
     r = SimRequest(rid=1, tenant_class="standard", prompt=20_000, output=100, arrival=1.0,
                    tenant="t1")  # fmt: skip
     assert r.prompt >= sim.long_threshold

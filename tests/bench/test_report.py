@@ -143,7 +143,10 @@ def test_refused_requests_are_counted_per_tenant_beside_the_percentiles_they_mis
     quiet = ArmResult("quiet", [*served, served_long], {}, 0, 1, 10)
     lines, verdicts = evaluate(res, quiet, cfg, tenants(cfg))
     row = next(line for line in lines if line.startswith("| std-1 |"))
-    assert row.endswith("| 1 / 2 (1 of 3 long) | 0 / 0 (0 of 1 long) |")
+    assert row.endswith(
+        "| 1 / 2 (1 of 3 long) | 0 / 0 (0 of 1 long) "
+        "| 21 / 0 / 3 (0 retries) | 21 / 0 / 0 (0 retries) |"
+    )
     assert any("not in the p95s" in line for line in lines)
     # information only: the checks are those of the served requests
     only_served = ArmResult("c", [*served, served_long, flood], {}, 0, 1, 10)
@@ -151,4 +154,7 @@ def test_refused_requests_are_counted_per_tenant_beside_the_percentiles_they_mis
     assert verdicts == unchanged
 
     pooled, _, _ = pooled_lines([(res, quiet), (res, quiet)], {"noisy"})
-    assert pooled[0].endswith("| 2 / 4 (2 of 6 long) | 0 / 0 (0 of 2 long) |")
+    assert pooled[0].endswith(
+        "| 2 / 4 (2 of 6 long) | 0 / 0 (0 of 2 long) "
+        "| 42 / 0 / 6 (0 retries) | 42 / 0 / 0 (0 retries) |"
+    )

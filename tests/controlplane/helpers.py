@@ -5,9 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 import redis
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
 
 from contracts import schema
 from tests.support import wait_until
+
+
+def migrate_tenants(target: tuple[str, str] | None = None) -> None:
+    """Migrate the tenants app of the test database to ``target`` (None: its latest)."""
+    executor = MigrationExecutor(connection)
+    executor.loader.build_graph()
+    targets = (
+        [target] if target else [n for n in executor.loader.graph.leaf_nodes() if n[0] == "tenants"]
+    )
+    executor.migrate(targets)
 
 
 def wait_for_change(

@@ -15,13 +15,14 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group, Permission
 from django.contrib.contenttypes.models import ContentType
 from django.db import connection
-from django.db.migrations.executor import MigrationExecutor
 from django.utils import timezone
 from rest_framework.test import APIClient
 
 from contracts.schema import hash_api_key
-from tenants.models import ApiToken
+from tenants.models import ApiToken, ApiTokenScheme
 from tenants.services import key_pepper
+
+from .helpers import migrate_tenants
 
 BEFORE = ("tenants", "0004_operate_permission")
 # DRF's authtoken_token after its migrations 0001-0004 (rest_framework/authtoken/migrations).
@@ -35,18 +36,9 @@ CREATE TABLE authtoken_token (
 """
 
 
-def _migrate(target: tuple[str, str] | None = None) -> None:
-    executor = MigrationExecutor(connection)
-    executor.loader.build_graph()
-    targets = (
-        [target] if target else [n for n in executor.loader.graph.leaf_nodes() if n[0] == "tenants"]
-    )
-    executor.migrate(targets)
-
-
 @pytest.fixture
 def drf_tokens(transactional_db: None) -> Iterator[None]:
-    _migrate(BEFORE)
+    migrate_tenants(BEFORE)
     try:
         with connection.cursor() as cursor:
             cursor.execute(DRF_TABLE)
@@ -60,7 +52,7 @@ def drf_tokens(transactional_db: None) -> Iterator[None]:
         with connection.cursor() as cursor:
             cursor.execute("DROP TABLE IF EXISTS authtoken_token")
             cursor.execute("DELETE FROM django_migrations WHERE app = 'authtoken'")
-        _migrate()  # whatever happened, the database ends on the latest state
+        migrate_tenants()  # whatever happened, the database ends on the latest state
 
 
 def _tables() -> set[str]:
@@ -88,7 +80,7 @@ def test_drf_tokens_become_digests_and_keep_working(drf_tokens: None) -> None:
     group = Group.objects.create(name="account managers")
     group.permissions.add(permission)
 
-    _migrate()
+    migrate_tenants()
 
     assert "authtoken_token" not in _tables()
     ContentType.objects.clear_cache()
@@ -111,6 +103,7 @@ def test_drf_tokens_become_digests_and_keep_working(drf_tokens: None) -> None:
         token = by_user[user.pk]
         assert token.token_hash == hash_api_key(key, key_pepper())
         assert token.prefix == key[:8] and token.created_at == created
+        assert token.scheme == ApiTokenScheme.UNLABELLED  # tenants 0006: verified as stored
 
     # Issued tokens keep working, and expire when they would have.
     client = APIClient()
@@ -126,5 +119,5 @@ def test_drf_tokens_become_digests_and_keep_working(drf_tokens: None) -> None:
 def test_a_database_without_drf_tokens_migrates_too(drf_tokens: None) -> None:
     with connection.cursor() as cursor:
         cursor.execute("DROP TABLE authtoken_token")
-    _migrate()
+    migrate_tenants()
     assert "tenants_apitoken" in _tables() and not ApiToken.objects.exists()

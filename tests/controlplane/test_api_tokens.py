@@ -1,23 +1,28 @@
-"""Management-API tokens (tenants.models.ApiToken): only a digest is stored, the token is
-shown once by POST /api/v1/auth/token/, it authenticates as ``Token`` (and ``Bearer`` on the
-usage reports), expires, is revoked by DELETE on the same URL or by its user's next tokens
-beyond the cap, and reaches no other tenant than its user's."""
+"""Management-API tokens (tenants.models.ApiToken): only a digest is stored, labelled apart
+from API keys' digests, the token is shown once by POST /api/v1/auth/token/, it authenticates
+as ``Token`` (and ``Bearer`` on the usage reports), expires, is revoked by DELETE on the same
+URL, by its user's next tokens beyond the cap or by a change of its user's password, and
+reaches no other tenant than its user's."""
 
 from __future__ import annotations
 
+import hmac
+import logging
 from collections.abc import Callable
 from datetime import timedelta
+from hashlib import sha256
 from typing import Any
 
 import pytest
 from django.core.cache import caches
 from django.db import connection
+from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from contracts.schema import hash_api_key
+from contracts.schema import hash_api_key, hash_api_token
 from tenants import selectors, services
-from tenants.models import ApiToken, Tenant
+from tenants.models import ApiToken, ApiTokenScheme, Tenant
 
 from .helpers import error_of
 
@@ -59,7 +64,9 @@ def test_the_table_holds_a_digest_and_a_prefix_never_the_token(owner_a: Any) -> 
     assert len(rows) == 1
     row = dict(zip(columns, rows[0], strict=True))
     assert all(secret not in str(value) for value in row.values()), row
-    assert row["token_hash"] == hash_api_key(secret, services.key_pepper())
+    assert row["token_hash"] == hash_api_token(secret, services.key_pepper())
+    assert row["token_hash"] != hash_api_key(secret, services.key_pepper())
+    assert row["scheme"] == ApiTokenScheme.LABELLED
     assert row["prefix"] == secret[:12] and row["user_id"] == owner_a.pk
     assert row["last_used_at"] is None
 
@@ -199,3 +206,143 @@ def test_last_used_is_stamped_after_commit_at_most_once_a_minute(
     assert services.api_token_last_used_record(token=token, at=later)
     token.refresh_from_db()
     assert token.last_used_at == later
+
+
+# -- digests: a label of their own ------------------------------------------------------
+
+
+def test_a_token_digest_is_labelled_and_api_key_digests_are_unchanged() -> None:
+    pepper, secret = b"a pepper", "fw-k1_the-same-plaintext"
+    # The API keys' HMAC is the secret alone, as every issued key was stored (and as the
+    # gateway computes it): pinned here, so a label cannot slip into it.
+    assert hash_api_key(secret, pepper) == hmac.new(pepper, secret.encode(), sha256).hexdigest()
+    labelled = hash_api_token(secret, pepper)
+    assert labelled != hash_api_key(secret, pepper)
+    assert labelled == hash_api_key("fairway/api-token\0" + secret, pepper)
+
+
+def test_an_api_key_is_not_a_token_even_when_a_row_holds_its_digest(
+    owner_a: Any, tenant_a: Tenant
+) -> None:
+    """A labelled row is looked up by the labelled HMAC only: the API keys' HMAC of whatever
+    is presented never finds it."""
+    _, key_secret = services.api_key_create(tenant=tenant_a, name="k")
+    ApiToken.objects.create(
+        user=owner_a,
+        prefix="fw-",
+        token_hash=hash_api_key(key_secret, services.key_pepper()),
+        scheme=ApiTokenScheme.LABELLED,
+    )
+    assert _client("Token", key_secret).get("/api/v1/tenants/").status_code == 401
+
+
+def test_unlabelled_tokens_issued_before_keep_working_under_their_own_scheme_only(
+    owner_a: Any,
+) -> None:
+    secret = services.api_token_generate_secret()
+    old = ApiToken.objects.create(
+        user=owner_a,
+        prefix=secret[:12],
+        token_hash=services.api_token_hash_unlabelled(secret),
+        scheme=ApiTokenScheme.UNLABELLED,
+    )
+    assert _client("Token", secret).get("/api/v1/tenants/").status_code == 200
+    assert selectors.api_token_for_secret(secret=secret) == old
+    # The scheme decides which digest a row is compared with, never both.
+    ApiToken.objects.filter(pk=old.pk).update(scheme=ApiTokenScheme.LABELLED)
+    assert _client("Token", secret).get("/api/v1/tenants/").status_code == 401
+    ApiToken.objects.filter(pk=old.pk).update(
+        token_hash=services.api_token_hash(secret), scheme=ApiTokenScheme.UNLABELLED
+    )
+    assert _client("Token", secret).get("/api/v1/tenants/").status_code == 401
+
+
+# -- a password change revokes every token ------------------------------------------------
+
+NEW_PASSWORD = "a-new-Secret-77"
+
+
+def _signed_in(user: Any) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def _works(token: str) -> bool:
+    return bool(_client("Token", token).get("/api/v1/tenants/").status_code == 200)
+
+
+def test_a_console_password_change_revokes_the_tokens_and_signs_out_other_sessions(
+    owner_a: Any,
+    make_user: Callable[..., Any],
+    django_capture_on_commit_callbacks: Any,
+    caplog: Any,
+) -> None:
+    mine = [services.api_token_create(user=owner_a)[1] for _ in range(2)]
+    _, theirs = services.api_token_create(user=make_user("someone"))
+    here, elsewhere = _signed_in(owner_a), _signed_in(owner_a)
+    form = {"old_password": "pw-12345", "new_password1": NEW_PASSWORD}
+
+    wrong = here.post(
+        "/password/", {**form, "old_password": "not-it", "new_password2": NEW_PASSWORD}
+    )
+    assert wrong.status_code == 200 and all(_works(token) for token in mine)
+
+    caplog.set_level(logging.INFO, logger="tenants.services")
+    with django_capture_on_commit_callbacks(execute=True):
+        changed = here.post("/password/", {**form, "new_password2": NEW_PASSWORD})
+    assert changed.status_code == 302 and changed["Location"] == "/password/done/"
+    assert not any(_works(token) for token in mine)
+    assert not ApiToken.objects.filter(user=owner_a).exists()
+    assert _works(theirs)
+    assert f"password of user {owner_a.pk} changed: 2 management-API token(s)" in caplog.text
+
+    # This session is kept; the other one is signed out, in the console and on the API.
+    assert here.get("/password/").status_code == 200
+    assert elsewhere.get("/password/")["Location"].startswith("/login/")
+    assert here.get("/api/v1/tenants/").status_code == 200
+    assert elsewhere.get("/api/v1/tenants/").status_code == 401
+    # New tokens are obtained with the new password only.
+    assert _obtain(owner_a.username).status_code == 400
+    obtained = APIClient().post(TOKEN_URL, {"username": owner_a.username, "password": NEW_PASSWORD})
+    assert _works(obtained.json()["token"])
+
+
+@pytest.mark.parametrize("usable", ["true", "false"])
+def test_an_admin_setting_or_disabling_a_password_revokes_the_tokens(
+    owner_a: Any, make_user: Callable[..., Any], usable: str
+) -> None:
+    _, secret = services.api_token_create(user=owner_a)
+    admin_client = _signed_in(make_user("root", is_staff=True, is_superuser=True))
+    form = {"usable_password": usable, "password1": NEW_PASSWORD, "password2": NEW_PASSWORD}
+    # The admin page's two buttons: "set-password", or "unset-password" to disable it.
+    form["unset-password" if usable == "false" else "set-password"] = "1"
+    changed = admin_client.post(f"/admin/auth/user/{owner_a.pk}/password/", form)
+    assert changed.status_code == 302, changed.content
+    owner_a.refresh_from_db()
+    assert owner_a.has_usable_password() == (usable == "true")
+    assert not _works(secret)
+
+
+def test_a_password_set_elsewhere_revokes_too_a_hash_upgrade_at_sign_in_does_not(
+    settings: Any, owner_a: Any
+) -> None:
+    _, kept = services.api_token_create(user=owner_a)
+    # Signing in under a newer preferred hasher re-hashes the same password: no change.
+    settings.PASSWORD_HASHERS = [
+        "django.contrib.auth.hashers.ScryptPasswordHasher",
+        "django.contrib.auth.hashers.MD5PasswordHasher",
+    ]
+    assert _obtain(owner_a.username).status_code == 200
+    owner_a.refresh_from_db()
+    assert owner_a.password.startswith("scrypt$") and _works(kept)
+    # Saves that do not write the password revoke nothing either.
+    owner_a.first_name = "Ada"
+    owner_a.save(update_fields=["first_name"])
+    owner_a.save()
+    assert _works(kept)
+
+    # A password set outside any view (a shell, manage.py changepassword) revokes.
+    owner_a.set_password(NEW_PASSWORD)
+    owner_a.save()
+    assert not ApiToken.objects.filter(user=owner_a).exists()
