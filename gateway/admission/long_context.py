@@ -58,13 +58,22 @@ def long_context_admits(
 ) -> bool:
     """The long-context budget's decision: the fleet total and the concurrent long
     prefills stay within the budget (an empty budget runs any one request, alone), and a
-    tenant already holding some may not go past its max-min fair share. Room that frees up
-    goes to the waiting tenant served longest ago (``yields_to_waiting``)."""
+    tenant already holding some may not go past its max-min fair share. When the room left
+    would not cover the tenants waiting ahead of this one, it goes to them, least recently
+    served first (``yields_to_waiting``)."""
     waiting = set(waiting)
     total = sum(usage.values())
     if total + need > budget or prefilling >= slots:
         return total <= 0
-    if yields_to_waiting(tenant, waiting, served or {}, usage):
+    if yields_to_waiting(
+        tenant,
+        waiting,
+        served or {},
+        usage,
+        need=need,
+        slots_left=slots - prefilling - 1,
+        kv_left=budget - total - need,
+    ):
         return False
     mine = usage.get(tenant, 0)
     if mine <= 0:
@@ -72,21 +81,58 @@ def long_context_admits(
     return mine + need <= fair_level(budget, usage, waiting, tenant)
 
 
+def waiting_ahead(
+    tenant: str,
+    waiting: Iterable[str],
+    served: Mapping[str, float],
+    usage: Mapping[str, int] | None = None,
+) -> set[str]:
+    """The tenants ``tenant`` would leave room to: each refused within the demand window
+    (``waiting``), holding no more of the budget than ``tenant`` does (``usage``; so the
+    fair share would not refuse it first) and last admitted before ``tenant`` was
+    (``served``: each tenant's last admission, absent = never)."""
+    usage = usage or {}
+    mine, held = served.get(tenant, -1), usage.get(tenant, 0)
+    return {
+        w for w in waiting if w != tenant and served.get(w, -1) < mine and usage.get(w, 0) <= held
+    }
+
+
 def yields_to_waiting(
     tenant: str,
     waiting: Iterable[str],
     served: Mapping[str, float],
     usage: Mapping[str, int] | None = None,
+    *,
+    need: int,
+    slots_left: int,
+    kv_left: int,
 ) -> bool:
-    """Whether ``tenant`` must leave room that just freed to another tenant: one that was
-    refused within the demand window (``waiting``), holds no more of the budget than
-    ``tenant`` does (``usage``; so the fair share would not refuse it first) and was last
-    admitted before ``tenant`` was (``served``: each tenant's last admission, absent =
-    never). A long prefill holds a replica for many seconds and the budget runs only a few
-    at once, so the KV share alone cannot be fair: whoever asks first after a prefill ends
-    would take the slot, and the served counts would be a lottery of arrival times. Least
-    recently served first makes them take turns; a lone tenant (nobody waiting) never
-    yields."""
-    usage = usage or {}
-    mine, held = served.get(tenant, -1), usage.get(tenant, 0)
-    return any(served.get(w, -1) < mine and usage.get(w, 0) <= held for w in waiting if w != tenant)
+    """Whether ``tenant`` must leave the room to the tenants waiting ahead of it (W,
+    ``waiting_ahead``): it yields exactly when W is not empty and admitting it would leave
+    fewer free long-prefill slots than |W| (``slots_left``: free slots after this
+    admission) or less of the budget's KV than |W| requests of this size (``kv_left``: free
+    KV bytes after it; a waiter's own size is not recorded, this request's ``need`` stands
+    in for it).
+
+    Why: a long prefill holds a replica for many seconds and the budget runs only a few at
+    once, so the KV share alone cannot be fair when room is scarce: whoever asks first after
+    a prefill ends would take the slot, and the served counts would be a lottery of arrival
+    times. Least recently served first makes them take turns. But while the room left after
+    this admission still covers every tenant ahead (each retries within its retry-after),
+    admitting costs them nothing, and holding the room back only leaves it idle and turns
+    this tenant into a waiter too: when long prompts come from many tenants in turn nearly
+    every arrival then finds someone ahead, and the fleet simulation's budget refused long
+    prompts with most of it free until their clients gave up
+    (bench/results/fleet_sim_isolation_drain.md). A lone tenant (nobody ahead) never
+    yields.
+
+    The KV clause: a prefill slot frees at the first token but the request's KV stays until
+    it ends, so with long outputs the KV can run short while slots are free, and the same
+    lottery would decide who gets it. In the fleet simulation's sizing probes and its
+    six-heavy-tenant run it never decided an ask (0 of ~350 and of 2,915 that reached it;
+    the slot clause refused 0-5 and 2,143): the designated replicas' KV holds several 128k
+    requests per prefill slot, so there the slots run short first
+    (bench/results/fleet_sim_isolation_yield.md)."""
+    ahead = len(waiting_ahead(tenant, waiting, served, usage))
+    return ahead > 0 and (slots_left < ahead or kv_left < ahead * need)

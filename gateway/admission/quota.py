@@ -237,16 +237,20 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
   for _, who in ipairs(redis.call('ZRANGE', w, 0, -1)) do waiting[who] = true end
   local mine = usage[tenant] or 0
   local refuse = false
-  -- room that frees goes to the waiting tenant served longest ago (long_context.py's
-  -- yields_to_waiting): the tenant yields to one refused within the window that holds no
-  -- more than it does and whose last admission is older than its own
+  -- room left scarce goes to the waiting tenants served longest ago (long_context.py's
+  -- yields_to_waiting): ahead = those refused within the window that hold no more than the
+  -- tenant does and whose last admission is older than its own; the tenant yields when
+  -- admitting it would leave fewer free prefill slots than them, or less KV than that many
+  -- requests of its size
   local last = served[tenant] or -1
-  local yields = false
+  local ahead = 0
   for who, _ in pairs(waiting) do
     if who ~= tenant and (served[who] or -1) < last and (usage[who] or 0) <= mine then
-      yields = true
+      ahead = ahead + 1
     end
   end
+  local yields = ahead > 0 and (slots - prefilling - 1 < ahead
+                                or budget - total - need < ahead * need)
   if total + need > budget or prefilling >= slots then
     refuse = total > 0  -- an empty budget runs any one request, alone
   elseif yields then

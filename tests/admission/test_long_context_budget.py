@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import redis.asyncio as aioredis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from contracts import schema
@@ -205,18 +205,152 @@ def test_one_prefill_slot_is_taken_in_turns(n: int, seed: int, fixed_order: bool
 
 
 def test_a_lone_tenant_never_yields_and_the_least_recently_served_goes_first() -> None:
-    yields = long_context.yields_to_waiting
-    assert not yields("a", [], {"a": 5})  # alone: the whole budget
-    assert not yields("a", ["a"], {"a": 5})
-    assert yields("a", ["b"], {"a": 5})  # b never served, waiting: b first
-    assert yields("a", ["b"], {"a": 5, "b": 3})
-    assert not yields("b", ["a"], {"a": 5, "b": 3})  # b served longer ago: b goes
-    assert not yields("a", ["b"], {})  # neither served yet: first come
-    # a free slot is left for the waiting tenant served longest ago
+    ahead = long_context.waiting_ahead
+    assert ahead("a", [], {"a": 5}) == set()  # alone: the whole budget
+    assert ahead("a", ["a"], {"a": 5}) == set()
+    assert ahead("a", ["b"], {"a": 5}) == {"b"}  # b never served, waiting: b first
+    assert ahead("a", ["b"], {"a": 5, "b": 3}) == {"b"}
+    assert ahead("b", ["a"], {"a": 5, "b": 3}) == set()  # b served longer ago: b goes
+    assert ahead("a", ["b"], {}) == set()  # neither served yet: first come
+    assert ahead("a", ["b"], {"a": 5}, {"b": 2, "a": 1}) == set()  # b holds more than a
+    # the last free slot is left for the waiting tenant served longest ago
     assert not long_context.long_context_admits(
         tenant="a", need=1, budget=10, slots=1, usage={}, prefilling=0, waiting=["b"],
         served={"a": 5, "b": 3},
     )  # fmt: skip
+    # a slot for a and one left for b: nobody is kept waiting for nothing
+    assert long_context.long_context_admits(
+        tenant="a", need=1, budget=10, slots=2, usage={}, prefilling=0, waiting=["b"],
+        served={"a": 5, "b": 3},
+    )  # fmt: skip
+    # slots for both, but a's request would leave less KV than b could use at a's size
+    assert not long_context.long_context_admits(
+        tenant="a", need=6, budget=10, slots=9, usage={}, prefilling=0, waiting=["b"],
+        served={"a": 5, "b": 3},
+    )  # fmt: skip
+
+
+TENANTS = "abcdef"
+
+
+@st.composite
+def ledgers(draw: st.DrawFn) -> dict:
+    """A long-context ledger as the admit script sees it: each tenant's KV held, the
+    long prefills running, the tenants waiting and each one's last admission."""
+    usage = draw(st.dictionaries(st.sampled_from(TENANTS), st.integers(1, 30), max_size=6))
+    served = draw(st.dictionaries(st.sampled_from(TENANTS), st.integers(0, 20), max_size=6))
+    slots = draw(st.integers(1, 12))
+    return {
+        "tenant": draw(st.sampled_from(TENANTS)),
+        "need": draw(st.integers(1, 40)),
+        "budget": draw(st.integers(1, 300)),
+        "slots": slots,
+        "usage": usage,
+        "prefilling": draw(st.integers(0, slots)),
+        "waiting": draw(st.sets(st.sampled_from(TENANTS))),
+        "served": served,
+    }
+
+
+def _room_left(ledger: dict) -> tuple[int, int]:
+    """Free prefill slots and free KV after admitting the ask."""
+    total = sum(ledger["usage"].values())
+    return (
+        ledger["slots"] - ledger["prefilling"] - 1,
+        ledger["budget"] - total - ledger["need"],
+    )
+
+
+@settings(max_examples=400)
+@given(ledgers())
+def test_no_yield_while_the_room_left_covers_the_tenants_waiting_ahead(ledger: dict) -> None:
+    """Admitting leaves a free prefill slot and KV for a request of this size for each
+    tenant waiting ahead: the ask is decided as if nobody were waiting ahead (the fair
+    share still applies), since holding the room back would only leave it idle."""
+    w = long_context.waiting_ahead(
+        ledger["tenant"], ledger["waiting"], ledger["served"], ledger["usage"]
+    )
+    slots_left, kv_left = _room_left(ledger)
+    assume(slots_left >= len(w) and kv_left >= len(w) * ledger["need"])
+    unordered = {**ledger, "served": {}}  # nobody served: nobody waits ahead of anyone
+    assert long_context.long_context_admits(**ledger) == long_context.long_context_admits(
+        **unordered
+    )
+
+
+@given(ledgers())
+def test_a_lone_tenant_never_yields(ledger: dict) -> None:
+    """Nobody else waiting: the budget's total and prefill slots and the fair share
+    decide, never the turn order."""
+    ledger = {**ledger, "waiting": ledger["waiting"] & {ledger["tenant"]}}
+    assert (
+        long_context.waiting_ahead(
+            ledger["tenant"], ledger["waiting"], ledger["served"], ledger["usage"]
+        )
+        == set()
+    )
+    for slots_left, kv_left in [(0, 0), (-1, -1), _room_left(ledger)]:
+        assert not long_context.yields_to_waiting(
+            ledger["tenant"],
+            ledger["waiting"],
+            ledger["served"],
+            ledger["usage"],
+            need=ledger["need"],
+            slots_left=slots_left,
+            kv_left=kv_left,
+        )
+    assert long_context.long_context_admits(**ledger) == long_context.long_context_admits(
+        **{**ledger, "served": {}}
+    )
+
+
+@st.composite
+def scarce_ledgers(draw: st.DrawFn) -> dict:
+    """Tenant a, served at 50, asks for ``need`` while k tenants served before it and
+    holding no more than it wait; the ask fits the budget's total and prefill slots, but
+    the room left after it is short of the k waiters in prefill slots or in KV."""
+    k = draw(st.integers(1, 5))
+    mine = draw(st.integers(0, 30))
+    waiters = list("bcdef"[:k])
+    times = draw(st.lists(st.integers(-1, 49), min_size=k, max_size=k, unique=True))
+    served = {"a": 50} | {w: t for w, t in zip(waiters, times, strict=True) if t >= 0}
+    usage = {w: draw(st.integers(0, mine)) for w in waiters} | {"a": mine}
+    usage = {t: u for t, u in usage.items() if u > 0}
+    need = draw(st.integers(1, 40))
+    prefilling = draw(st.integers(0, 8))
+    total = sum(usage.values())
+    if draw(st.booleans()):  # short of slots: fewer than k left after this one
+        slots = prefilling + 1 + draw(st.integers(0, k - 1))
+        budget = total + need + draw(st.integers(0, 200))
+    else:  # short of KV: less than k requests of this size left after this one
+        slots = prefilling + 1 + draw(st.integers(k, 10))
+        budget = total + need + draw(st.integers(0, k * need - 1))
+    return {
+        "tenant": "a",
+        "need": need,
+        "budget": budget,
+        "slots": slots,
+        "usage": usage,
+        "prefilling": prefilling,
+        "waiting": set(waiters),
+        "served": served,
+    }
+
+
+@given(scarce_ledgers())
+def test_scarce_room_still_goes_to_the_least_recently_served(ledger: dict) -> None:
+    """The last room would be taken by a tenant served more recently than the ones waiting
+    (that hold no more than it): it is refused although the ask fits, and the waiter served
+    longest ago, asking for as much, is admitted."""
+    assert long_context.waiting_ahead("a", ledger["waiting"], ledger["served"], ledger["usage"])
+    assert not long_context.long_context_admits(**ledger)
+    first = min(ledger["waiting"], key=lambda t: ledger["served"].get(t, -1))
+    turn = {**ledger, "tenant": first, "waiting": ledger["waiting"] | {"a"}}
+    assert (
+        long_context.waiting_ahead(first, turn["waiting"], turn["served"], turn["usage"]) == set()
+    )
+    if ledger["usage"].get(first, 0) == 0:  # holding nothing: no fair share to pass
+        assert long_context.long_context_admits(**turn)
 
 
 # -- the admit script against Redis ----------------------------------------------------------
@@ -264,29 +398,51 @@ async def test_the_freed_slot_goes_to_the_tenant_that_waited(aredis: aioredis.Re
     assert (await lim.admit(q("b", gib=1, prefill_slots=1, prefill_ms=1))).admitted
 
 
+async def test_a_waiter_does_not_hold_back_room_that_covers_it(aredis: aioredis.Redis) -> None:
+    """b waits (refused while a's prefill held the only slot) and was never served; a was
+    served more recently. With a slot for a and one left for b, a is admitted; the last
+    slot it leaves to b."""
+    lim = Limiter(aredis, AdmissionConfig())
+    hold = {"gib": 1, "prefill_ms": 1, "hold_ms": 600_000}
+    a = await lim.admit(q("a", prefill_slots=1, **hold))
+    assert a.admitted and a.grant is not None
+    assert not (await lim.admit(q("b", prefill_slots=1, **hold))).admitted  # b waits
+    assert await lim.prefill_done(a.grant)
+    # 3 slots, none prefilling: one for a, two left for b
+    room = await lim.admit(q("a", prefill_slots=3, **hold))
+    assert room.admitted
+    # one prefilling, 2 slots: a would take the last one while b waits for it
+    last = await lim.admit(q("a", prefill_slots=2, **hold))
+    assert not last.admitted and last.long_context_full
+    assert (await lim.admit(q("b", prefill_slots=2, **hold))).admitted
+
+
 async def test_a_lease_that_never_ran_does_not_count_as_served(aredis: aioredis.Redis) -> None:
     """Refused for capacity after the budget admitted it (or failed before producing
     anything): the tenant's last admission goes back and it counts as waiting, so a tenant
-    that was served does not take the next turn from it."""
+    that was served does not take the next turn from it (one prefill slot: the room is
+    scarce, so the turn order decides)."""
     lim = Limiter(aredis, AdmissionConfig())
+    one = {"gib": 1, "prefill_slots": 1, "prefill_ms": 1}
     tag = long_context_tag("fam-v1")
-    served_a = await lim.admit(q("a", gib=1))
+    served_a = await lim.admit(q("a", **one))
     assert served_a.grant is not None
     await lim.settle(served_a.grant, actual_tokens=5, refund_request=False)
     before = await aredis.hget(f"{tag}:l", "s:a")
     assert before is not None  # a ran: its admission stays recorded
     await asyncio.sleep(0.01)
-    b = await lim.admit(q("b", gib=1))
+    b = await lim.admit(q("b", **one))
     assert b.grant is not None and await aredis.hget(f"{tag}:l", "s:b") is not None
     await lim.settle(b.grant, actual_tokens=0, refund_request=True)  # b never ran
     assert await aredis.hget(f"{tag}:l", "s:b") is None  # never served, as before
     assert await aredis.zscore(f"{tag}:w", "b") is not None  # and waiting
     assert not [k for k in await aredis.hkeys(f"{tag}:l") if _text(k).startswith("p:")]
     # a asks with b waiting and never served: b's turn
-    a_again = await lim.admit(q("a", gib=1))
+    a_again = await lim.admit(q("a", **one))
     assert not a_again.admitted and a_again.long_context_full
-    assert (await lim.admit(q("b", gib=1))).admitted
-    again = await lim.admit(q("a", gib=1))  # b is served now: a's turn again
+    assert (await lim.admit(q("b", **one))).admitted
+    await asyncio.sleep(0.01)  # b's prefill is over: the slot is free again
+    again = await lim.admit(q("a", **one))  # b is served now: a's turn again
     assert again.admitted and again.grant is not None
     await lim.settle(again.grant, actual_tokens=0, refund_request=True)
     assert await aredis.hget(f"{tag}:l", "s:a") == before  # back to its earlier admission
@@ -361,13 +517,17 @@ def _text(k: bytes | str) -> str:
         st.tuples(st.sampled_from("abcd"), st.integers(1, 40), st.booleans()),
         min_size=1,
         max_size=40,
-    )
+    ),
+    st.integers(1, 6),
 )
 async def test_script_decides_as_the_pure_rule(
-    aredis: aioredis.Redis, ops: list[tuple[str, int, bool]]
+    aredis: aioredis.Redis, ops: list[tuple[str, int, bool]], slots: int
 ) -> None:
-    """Any sequence of asks and settles: the script admits exactly what
-    ``long_context.long_context_admits`` admits on the same ledger."""
+    """Any sequence of asks and settles, with few prefill slots (each held until its
+    settle) or many: the script admits exactly what ``long_context.long_context_admits``
+    admits on the same ledger, the turn order included (whether the room left covers the
+    tenants waiting ahead, in slots and in KV)."""
+    slots = 100 if slots == 6 else slots
     await aredis.delete(*(f"{long_context_tag('fam-v1')}:{s}" for s in "lew"))
     lim = Limiter(aredis, AdmissionConfig())
     usage: dict[str, int] = {}
@@ -382,13 +542,13 @@ async def test_script_decides_as_the_pure_rule(
             tenant=tenant,
             need=gib * GIB,
             budget=BUDGET,
-            slots=ASK.prefill_slots,
+            slots=slots,
             usage=usage,
             prefilling=len(grants),
             waiting=waiting,
             served=served,
         )
-        d = await lim.admit(q(tenant, gib))
+        d = await lim.admit(q(tenant, gib, prefill_slots=slots))
         assert d.admitted == expect
         if d.admitted:
             assert d.grant is not None
