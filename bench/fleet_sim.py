@@ -152,12 +152,24 @@ class FleetConfig:
     # compute in a step. 0 = no cap (what the simulations ran with so far); the platform's
     # replica command sets 4 % of the context (catalog/replica.py), 5,242 for 131,072.
     long_prefill_tokens: int = 0
+    # The reserved pool's replicas' --long-prefill-token-threshold, when it differs from the
+    # shared replicas' (``long_prefill_tokens``): a pool launched with its own vLLM flag, so
+    # that one prompt's chunk leaves more of each step's --max-num-batched-tokens budget to
+    # the other prompts on the replica. 0 = the same as ``long_prefill_tokens``.
+    pool_long_prefill_tokens: int = 0
     # AdmissionConfig.reserved_off_long_replicas (False: the rule before it, for the
     # before/after arm of bench/results/fleet_sim_reserved.md).
     reserved_off_long: bool = True
     # AdmissionConfig.reserved_long_off_pool (False, the gateway's default: reserved long
     # contexts take the pool first; bench/results/fleet_sim_reserved_pool.md).
     reserved_long_off_pool: bool = False
+
+    def replica_long_prefill_tokens(self, idx: int) -> int:
+        """Replica ``idx``'s --long-prefill-token-threshold (the pool is replicas
+        0 .. reserved_replicas - 1, as ``_Gateway`` registers them)."""
+        if idx < self.reserved_replicas and self.pool_long_prefill_tokens:
+            return self.pool_long_prefill_tokens
+        return self.long_prefill_tokens
 
     def admission(self) -> AdmissionConfig:
         layers = LAYERS if self.isolation else tuple(x for x in LAYERS if x != "long_context")
@@ -397,6 +409,20 @@ def reserved_slo(res: SimResult, feasible_only: bool) -> ClassSLO:
     return class_slo(reqs, res.slow_steps)
 
 
+def reserved_band_slo(res: SimResult, lo_s: float, hi_s: float) -> ClassSLO:
+    """The reserved class over its measured requests whose prompt's lone prefill on the
+    profile takes ``lo_s`` <= t < ``hi_s`` (``Profile.prefill_seconds``, the measure behind
+    ``lone_prefill_feasible``): where in the feasible range the misses are, and what a
+    feasibility margin (a limit below the TTFT SLO) would count."""
+    prefill = LLAMA_70B_TP4_H100.prefill_seconds
+    reqs = [
+        r
+        for r in res.measured()
+        if r.tenant_class == "reserved" and not r.heavy and lo_s <= prefill(r.prompt) < hi_s
+    ]
+    return class_slo(reqs, res.slow_steps)
+
+
 def pool_slo(parts: list[ClassSLO]) -> ClassSLO:
     """Several runs' ``ClassSLO`` as one sample (counts and causes summed), for an attainment
     measured over more requests than one run holds."""
@@ -459,7 +485,7 @@ class FleetSim:
         self.kv_bytes = profile.kv_bytes_per_token
         self.adm = cfg.admission()
         self.replicas = [
-            _Replica(i, profile, cfg.seed * 7919 + i, cfg.long_prefill_tokens)
+            _Replica(i, profile, cfg.seed * 7919 + i, cfg.replica_long_prefill_tokens(i))
             for i in range(cfg.replicas)
         ]
         self.now = 0.0
@@ -909,6 +935,7 @@ def isolation_experiments(
     reserved_pools: tuple[int, ...] = (),
     reserved_rule_off: bool = False,
     reserved_long_rule_on: bool = False,
+    pool_caps: tuple[int, ...] = (),
 ) -> dict[str, FleetConfig]:
     """The several-heavy-tenants variant, old policy against new in one run: ``heavy``
     standard tenants flooding 128k prompts (at ``heavy_rates``, cycled) on top of the
@@ -919,7 +946,9 @@ def isolation_experiments(
     ``chunk_cap`` is given); with ``reserved_rule_off``, also the new policy without
     ``reserved_off_long_replicas`` (reserved short traffic off the hosting replicas only);
     with ``reserved_long_rule_on``, each pool also with ``reserved_long_off_pool``
-    (reserved long contexts on the designated shared replicas first, the pool last)."""
+    (reserved long contexts on the designated shared replicas first, the pool last); with
+    ``pool_caps``, each pool also with its replicas at each of those
+    --long-prefill-token-threshold values (the shared replicas unchanged)."""
     base = scale.config(seed)
     if heavy_duration_s:
         base = replace(base, duration_s=heavy_duration_s, warmup_s=heavy_duration_s / 3)
@@ -942,6 +971,10 @@ def isolation_experiments(
         if reserved_long_rule_on:
             out[f"{label}, reserved long contexts off the pool, {heavy} heavy tenants"] = replace(
                 new, reserved_replicas=k, reserved_long_off_pool=True
+            )
+        for c in pool_caps:
+            out[f"{label}, pool chunk cap {c:,}, {heavy} heavy tenants"] = replace(
+                new, reserved_replicas=k, pool_long_prefill_tokens=c
             )
     return out
 
@@ -1093,6 +1126,11 @@ def write_isolation_report(
             f"; every replica of every run, both policies and the sizing probes, with "
             f"--long-prefill-token-threshold {scale.long_prefill_tokens:,} as the platform's "
             "replica command sets it"
+            + (
+                ", except the reserved pool's replicas in the runs labelled 'pool chunk cap'"
+                if any(r.cfg.pool_long_prefill_tokens for r in results.values())
+                else ""
+            )
             if scale.long_prefill_tokens
             else ""
         )
@@ -1204,6 +1242,7 @@ def write_isolation_report(
         rows += _heavy_tenant_table(res, res.cfg.warmup_s, res.cfg.duration_s)
     rows += _reserved_section(results, sizing_probes)
     rows += _pooled_reserved_section(results)
+    rows += _pooled_bands_section(results)
     path = out_dir / report_name
     path.write_text("\n".join(rows) + "\n")
     return path
@@ -1261,7 +1300,10 @@ def _reserved_section(
     ]
 
     def cap(cfg: FleetConfig) -> str:
-        return f"{cfg.long_prefill_tokens:,}" if cfg.long_prefill_tokens else "none"
+        shared = f"{cfg.long_prefill_tokens:,}" if cfg.long_prefill_tokens else "none"
+        if cfg.reserved_replicas and cfg.pool_long_prefill_tokens:
+            return f"{shared} (pool {cfg.pool_long_prefill_tokens:,})"
+        return shared
 
     for name, probes in (sizing_probes or {}).items():
         for p in sorted(probes, key=lambda x: x.replicas):
@@ -1316,6 +1358,60 @@ def _pooled_reserved_section(results: dict[str, SimResult]) -> list[str]:
             _md_row([
                 arm, seeds, f"{_pct(every.attainment, 2)} ({every.n})", *_slo_cells(feas),
                 sum(r.censored() for r in runs),
+            ])
+        )  # fmt: skip
+    return rows
+
+
+# The bands of the lone prefill (seconds) the pooled reserved class is split by, and the
+# feasibility margin reported beside the promise's 1 s.
+LONE_BANDS = ((0.0, 0.5), (0.5, 0.8), (0.8, TTFT_SLO_S))
+FEASIBLE_MARGIN_S = 0.8
+
+
+def _band_cell(c: ClassSLO) -> str:
+    return f"{_pct(c.attainment, 2)} ({c.missed} of {c.n})"
+
+
+def _pooled_bands_section(results: dict[str, SimResult]) -> list[str]:
+    """Each arm's reserved class over all its seeds by its prompts' lone prefill: the
+    feasible bands, the promise under a margin (lone prefill < FEASIBLE_MARGIN_S), and the
+    prompts that cannot meet the TTFT SLO (their first-token times: what the pool's own
+    settings cost them). Also with one seed: counts that several reports sum exactly."""
+    arms: dict[str, list[SimResult]] = {}
+    for name, res in results.items():
+        arms.setdefault(SEED_SUFFIX.sub("", name), []).append(res)
+    bands = " | ".join(f"lone {lo:g}-{hi:g} s: attainment (missed of n)" for lo, hi in LONE_BANDS)
+    rows = [
+        "",
+        "## Reserved class by the prompt's lone prefill (each arm over its seeds)",
+        "",
+        f"The same requests by their prompt's lone prefill on {PROFILE} "
+        "(`Profile.prefill_seconds`; the promise counts those under 1 s). The margin column "
+        f"is the promise with a feasibility limit of {FEASIBLE_MARGIN_S:g} s instead of 1 s, "
+        "with its exact one-sided 95 % lower bound. Not feasible: the class's prompts whose "
+        "lone prefill is 1 s or more, TTFT from the first attempt's arrival (never served "
+        "= infinite).",
+        "",
+        f"| arm | {bands} | margin {FEASIBLE_MARGIN_S:g} s: attainment (n) | margin: 95 % "
+        "lower bound | not feasible: n | not feasible: TTFT p50 / p95 s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, runs in arms.items():
+        cells = [_band_cell(pool_slo([reserved_band_slo(r, lo, hi) for r in runs]))
+                 for lo, hi in LONE_BANDS]  # fmt: skip
+        margin = pool_slo([reserved_band_slo(r, 0.0, FEASIBLE_MARGIN_S) for r in runs])
+        long_ttft = [
+            (r.first_token - r.arrival) if r.first_token is not None else math.inf
+            for res in runs
+            for r in res.measured()
+            if r.tenant_class == "reserved" and not r.heavy and not lone_prefill_feasible(r.prompt)
+        ]
+        ttft = f"{_p(long_ttft, 50):.1f} / {_p(long_ttft, 95):.1f}" if long_ttft else "—"
+        rows.append(
+            _md_row([
+                arm, *cells, f"{_pct(margin.attainment, 2)} ({margin.n})",
+                _pct(clopper_pearson_lower(margin.met, margin.n), 2), len(long_ttft), ttft,
             ])
         )  # fmt: skip
     return rows
@@ -1893,6 +1989,13 @@ def main(argv: list[str] | None = None) -> int:
         help="file name of the isolation report under --out",
     )
     ap.add_argument(
+        "--pool-caps",
+        default="",
+        help="isolation runs: comma-separated --long-prefill-token-threshold values for the "
+        "reserved pool's replicas only, each run with every --reserved-pools size (the "
+        "shared replicas keep --replica-cap)",
+    )
+    ap.add_argument(
         "--size-range",
         default="",
         help="LO,HI[,STEP]: also bisect the replicas each policy needs for both SLOs "
@@ -1910,11 +2013,14 @@ def main(argv: list[str] | None = None) -> int:
             bounds = [int(x) for x in args.size_range.split(",") if x.strip()]
             pools = tuple(int(x) for x in args.reserved_pools.split(",") if x.strip())
             seeds = tuple(int(x) for x in args.seeds.split(",") if x.strip())
+            pool_caps = tuple(int(x) for x in args.pool_caps.split(",") if x.strip())
         except ValueError:
             ap.error(
                 "--heavy-rps takes numbers, --size-range integers LO,HI[,STEP], "
-                "--reserved-pools and --seeds integers"
+                "--reserved-pools, --seeds and --pool-caps integers"
             )
+        if pool_caps and (not pools or min(pool_caps) < 1):
+            ap.error("--pool-caps takes positive integers and needs --reserved-pools")
         if seeds and bounds:
             ap.error("--seeds runs the heavy-tenant arms only: leave out --size-range")
         scale = replace(scale, drain_s=args.drain, long_prefill_tokens=args.replica_cap)
@@ -1936,7 +2042,7 @@ def main(argv: list[str] | None = None) -> int:
                 scale, seed, args.heavy_tenants, heavy_rates, args.heavy_duration,
                 chunk_cap=args.chunk_cap, reserved_pools=pools,
                 reserved_rule_off=args.reserved_rule_off,
-                reserved_long_rule_on=args.reserved_long_rule_on,
+                reserved_long_rule_on=args.reserved_long_rule_on, pool_caps=pool_caps,
             )  # fmt: skip
             exps.update({k + (f", seed {seed}" if seeds else ""): v for k, v in arms.items()})
         exps = {k: v for k, v in exps.items() if not any(t in k for t in args.skip_arm)}

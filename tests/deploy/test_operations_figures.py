@@ -45,6 +45,10 @@ FIGURES = [
     ("now 116–122 µs on a cluster", "redis_cluster.md", "| 122 |"),
     ("70–75 µs on a\n  single Redis", "redis_cluster.md", "| 70 |"),
     ("70–75 µs on a\n  single Redis", "redis_cluster.md", "| 75 |"),
+    ("pool gives 99.68 % of the feasible", "fleet_sim_reserved_options.md", "| 99.68 % (7782) |"),
+    ("replicas 99.73 % (no measurable", "fleet_sim_reserved_options.md", "| 99.73 % (7783) |"),
+    ("as the pool 99.83 %", "fleet_sim_reserved_options.md", "| 99.83 % (7789) |"),
+    ("falls to ~21 %", "fleet_sim_reserved_options.md", "| 21.1 %, 22.6 %, 20.8 %, 20.9 % |"),
 ]
 
 
