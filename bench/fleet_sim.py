@@ -1138,9 +1138,10 @@ def write_isolation_report(
         f"load does not enter the figures{'; ' + load if load else ''}), {scale.rate_rps:g} "
         "req/s Poisson of the heavy-tailed shape (docs/design.md §2), classes 10 % reserved / "
         f"80 % standard / 10 % free, {scale.gateways} gateways, scrapes every 250 ms. "
-        "**new** = the long-context budget (max-min fair, least recently served first), the "
-        "ceilings counting each request's own prompt KV, long contexts packed onto the "
-        "designated replicas (a quarter of the fleet) and short traffic kept off them; "
+        "**new** = the long-context budget (max-min fair, least recently served first while "
+        "room is scarce), the ceilings counting each request's own prompt KV, long "
+        "contexts packed onto the designated replicas (a quarter of the fleet) and short "
+        "traffic kept off them; "
         "**old** = the same replicas and gateways with none of that: P2C + optimistic "
         "in-flight, no long-context budget, no context-aware placement. Both policies "
         "replay the same arrivals.",
