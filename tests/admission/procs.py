@@ -21,7 +21,8 @@ import redis
 from bench.prom_parse import metric_sum, samples
 from contracts import schema
 from contracts.readmodel_writer import ReadModelWriter
-from tests.support import LaunchedGateway, launch_gateway, wait_until_async
+from emulator.testing import SpawnedEmulator
+from tests.support import LaunchedGateway, launch_gateway, wait_until, wait_until_async
 
 
 @dataclass
@@ -120,6 +121,24 @@ def chat_body(model: str, prompt_words: int, max_tokens: int, **extra: Any) -> d
 def metric(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels`` (0 when none)."""
     return metric_sum(text, name, **labels) or 0.0
+
+
+def replica_gauge(emu: SpawnedEmulator, name: str) -> float:
+    return metric(httpx.get(emu.base_url + "/metrics", timeout=5).text, name)
+
+
+def wait_replica_idle(emu: SpawnedEmulator) -> None:
+    """Until the replica runs and queues nothing (an earlier test's streams, closed by their
+    client, end there only once the gateway has aborted them upstream)."""
+    wait_until(
+        lambda: (
+            replica_gauge(emu, "vllm:num_requests_running") == 0
+            and replica_gauge(emu, "vllm:num_requests_waiting") == 0
+        ),
+        30,
+        interval=0.2,
+        what="replica idle",
+    )
 
 
 def replica_scrapes(gw: LaunchedGateway) -> dict[str, float]:

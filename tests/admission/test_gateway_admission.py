@@ -43,8 +43,10 @@ from tests.admission.procs import (
     held_streams,
     metric,
     open_stream,
+    replica_gauge,
     spawn_gateway,
     two_gateways,
+    wait_replica_idle,
 )
 from tests.support import bytes_map, wait_until, wait_until_async
 
@@ -154,22 +156,6 @@ def inflight(rdb: redis.Redis, tenant: Tenant, family: str) -> tuple[int, int]:
 async def gateway_metrics(gw: GatewayProc) -> str:
     async with httpx.AsyncClient(timeout=5) as client:
         return (await client.get(gw.base_url + "/metrics")).text
-
-
-def replica_gauge(emu: SpawnedEmulator, name: str) -> float:
-    return metric(httpx.get(emu.base_url + "/metrics", timeout=5).text, name)
-
-
-def wait_replica_idle(emu: SpawnedEmulator) -> None:
-    wait_until(
-        lambda: (
-            replica_gauge(emu, "vllm:num_requests_running") == 0
-            and replica_gauge(emu, "vllm:num_requests_waiting") == 0
-        ),
-        30,
-        interval=0.2,
-        what="replica idle",
-    )
 
 
 # -- early dispatch ------------------------------------------------------------------------

@@ -28,10 +28,12 @@ from tests.admission.procs import (
     GatewayProc,
     Seeder,
     Tenant,
+    after_scrapes,
     chat_body,
     held_streams,
     open_stream,
     two_gateways,
+    wait_replica_idle,
 )
 from tests.support import bytes_map, wait_until_async
 
@@ -97,6 +99,15 @@ def gws(
         yield pair
 
 
+@pytest.fixture(autouse=True)
+async def settled(replica: SpawnedEmulator, gws: tuple[GatewayProc, GatewayProc]) -> None:
+    """Each test starts on an idle replica that both gateways have seen idle: an earlier
+    test's streams end on the replica only once the gateway has aborted them upstream, and
+    until a scrape shows their KV gone a class ceiling may refuse the next long prompt."""
+    await asyncio.to_thread(wait_replica_idle, replica)
+    await asyncio.gather(*(after_scrapes(gw) for gw in gws))
+
+
 async def open_long(
     client: httpx.AsyncClient, held: list[httpx.Response], gw: GatewayProc, t: Tenant
 ) -> httpx.Response:
@@ -140,7 +151,15 @@ async def first_admitted(
     """Start ``t``'s long stream; return it (its 200 comes with the first token) once the
     ledger holds its lease, with that lease."""
     first = asyncio.create_task(open_long(client, held, gw, t))
-    lease = await wait_until_async(lambda: leases(rdb, t), 30, 0.02, "admitted")
+
+    def admitted() -> list[tuple[int, int]]:
+        held_now = leases(rdb, t)
+        if not held_now and first.done() and first.result().status_code != 200:
+            r = first.result()  # answered without a lease: refused, and why
+            raise AssertionError(f"refused ({r.status_code}): {r.text[:300]}")
+        return held_now
+
+    lease = await wait_until_async(admitted, 30, 0.02, "admitted")
     return first, lease
 
 
