@@ -41,7 +41,13 @@ from bench.sim import (
     sim_engine,
     sim_version,
 )
-from bench.stats import TPOT_SLO_S, TTFT_SLO_S, clopper_pearson_lower, lone_prefill_feasible
+from bench.stats import (
+    TPOT_SLO_S,
+    TTFT_SLO_S,
+    clopper_pearson_lower,
+    lone_prefill_feasible,
+    max_min_shares,
+)
 from bench.stats import fmt_ms as _ms
 from bench.stats import fmt_pct as _pct
 from bench.stats import percentile as _p
@@ -211,6 +217,7 @@ class SimResult:
     long_refused: int = 0
     long_refused_by: dict[str, int] = field(default_factory=dict)
     long_admitted_by: dict[str, int] = field(default_factory=dict)
+    long_admitted_at: dict[str, list[float]] = field(default_factory=dict)  # admission times
     slow_steps: list[list[SlowStep]] = field(default_factory=list)
 
     def measured(self) -> list[SimRequest]:
@@ -830,6 +837,7 @@ class FleetSim:
             long_refused=self.long_refused,
             long_refused_by=self.long_refused_by,
             long_admitted_by=self.ledger.admitted_by,
+            long_admitted_at=self.ledger.admitted_at,
             slow_steps=self.slow_steps,
         )
 
@@ -1063,44 +1071,80 @@ def needed(probes: list[Probe]) -> int | None:
     return min(held) if held else None
 
 
+def heavy_admits(res: SimResult, lo: float, end: float) -> dict[str, dict[str, float]]:
+    """Per heavy tenant, the budget's admissions against what it asked for: arrivals
+    (``demand``) and budget admissions (``admits``) over the whole run and in [lo, end)
+    (``demand_win``, ``admits_win``), and the max-min fair share of the heavy tenants' admits
+    given their arrivals (``share``, ``share_win``: a tenant asking for less than an equal
+    split gets what it asks for, the others split the rest; ``bench.stats.max_min_shares``)."""
+    out = {
+        f"heavy-{h + 1}": dict.fromkeys(("demand", "demand_win", "admits", "admits_win"), 0.0)
+        for h in range(res.cfg.heavy_tenants)
+    }
+    for r in res.requests:
+        if r.heavy and r.tenant in out:
+            out[r.tenant]["demand"] += 1
+            out[r.tenant]["demand_win"] += lo <= r.arrival < end
+    for t, row in out.items():
+        times = res.long_admitted_at.get(t, [])
+        row["admits"], row["admits_win"] = len(times), sum(lo <= x < end for x in times)
+    for key in ("", "_win"):
+        shares = max_min_shares(
+            {t: row["demand" + key] for t, row in out.items()},
+            sum(row["admits" + key] for row in out.values()),
+        )
+        for t, row in out.items():
+            row["share" + key] = shares[t]
+    return out
+
+
 def _heavy_tenant_table(res: SimResult, lo: float, end: float) -> list[str]:
-    """Per heavy tenant: offered, refused by the budget, prefilled 128k prompts and their
-    share of the prefilled long-context work, completed requests and goodput."""
-    offered: dict[str, int] = {}
+    """Per heavy tenant: offered, arrived, the budget's admissions against their max-min
+    fair share of the heavy admits given what each asked for (``heavy_admits``), refused by
+    the budget, prefilled 128k prompts and their share of the prefilled long-context work,
+    completed requests and goodput."""
     prefilled: dict[str, int] = {}
     done: dict[str, int] = {}
     for r in res.requests:
         if not r.heavy:
             continue
-        offered.setdefault(r.tenant, 0)
         prefilled.setdefault(r.tenant, 0)
         done.setdefault(r.tenant, 0)
-        if lo <= r.arrival < end:
-            offered[r.tenant] += 1
         if r.first_token is not None and lo <= r.first_token <= end:
             prefilled[r.tenant] += r.prompt
         if r.status == "ok" and r.finished is not None and lo <= r.finished <= end:
             done[r.tenant] += 1
     total = sum(prefilled.values())
+    adm = heavy_admits(res, lo, end)
     rate = {
         f"heavy-{h + 1}": (res.cfg.heavy_rates[h % len(res.cfg.heavy_rates)]
                            if res.cfg.heavy_rates else res.cfg.heavy_rps)
         for h in range(res.cfg.heavy_tenants)
     }  # fmt: skip
     rows = [
-        "| heavy tenant | offered req/s | arrived in window | budget admits / 503s (whole run) | "
-        "128k prefills done in window | share of long-context work served | completed in window "
-        "| goodput req/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| heavy tenant | offered req/s | arrived (whole run / in window) | budget admits "
+        "(whole run / in window) | max-min share of the admits (whole run / in window) | "
+        "budget 503s (whole run) | 128k prefills done in window | share of long-context "
+        "work served | completed in window | goodput req/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     cells = [
-        [t, f"{rate.get(t, 0):g}", offered[t],
-         f"{res.long_admitted_by.get(t, 0)} / {res.long_refused_by.get(t, 0)}",
-         prefilled[t] // HEAVY_PROMPT, _pct(prefilled[t] / total) if total else "—",
-         done[t], f"{done[t] / (end - lo):.3f}"]
-        for t in sorted(offered, key=lambda x: int(x.split("-")[1]))
+        [t, f"{rate.get(t, 0):g}", f"{a['demand']:.0f} / {a['demand_win']:.0f}",
+         f"{a['admits']:.0f} / {a['admits_win']:.0f}",
+         f"{a['share']:.1f} / {a['share_win']:.1f}", res.long_refused_by.get(t, 0),
+         prefilled.get(t, 0) // HEAVY_PROMPT,
+         _pct(prefilled.get(t, 0) / total) if total else "—",
+         done.get(t, 0), f"{done.get(t, 0) / (end - lo):.3f}"]
+        for t, a in sorted(adm.items(), key=lambda x: int(x[0].split("-")[1]))
     ]  # fmt: skip
     rows.extend(_md_row(c) for c in cells)
+    spans = []
+    for key, where in (("", "whole run"), ("_win", "in window")):
+        got = [a["admits" + key] / a["share" + key] for a in adm.values() if a["share" + key]]
+        if got:
+            spans.append(f"{min(got):.2f}–{max(got):.2f}× ({where})")
+    if spans:
+        rows += ["", "Budget admits over the max-min share, smallest–largest: " + ", ".join(spans)]
     return rows
 
 

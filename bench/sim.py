@@ -81,7 +81,7 @@ class LongContextLedger:
     gateway/admission/quota.py) and the budget's decisions on it
     (``long_context.long_context_admits``): leases (lease -> tenant, KV bytes, the time its
     prefill slot is held until), tenants refused within the demand window (-> when), each
-    tenant's last admission, and the admissions per tenant."""
+    tenant's last admission, and the admissions per tenant (and when each was)."""
 
     version: schema.ModelVersionRecord
     shared_replicas: int
@@ -90,6 +90,7 @@ class LongContextLedger:
     waiting: dict[str, float] = field(default_factory=dict)
     served: dict[str, float] = field(default_factory=dict)
     admitted_by: dict[str, int] = field(default_factory=dict)
+    admitted_at: dict[str, list[float]] = field(default_factory=dict)
 
     def admit(self, tenant: str, lease: str, need: int, prompt: int, now: float) -> bool:
         """Whether the budget admits ``need`` KV bytes (prompt and output growth, as the
@@ -111,6 +112,7 @@ class LongContextLedger:
                                  waiting=self.waiting.keys(), served=self.served)  # fmt: skip
         if ok:
             self.admitted_by[tenant] = self.admitted_by.get(tenant, 0) + 1
+            self.admitted_at.setdefault(tenant, []).append(now)
             self.served[tenant] = now
             # The prefill slot is held until the first token (``prefilled``); the bound is
             # only the gateway's safety expiry for a release that never comes.

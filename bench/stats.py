@@ -8,7 +8,7 @@ refused (429/503) or failed request did not meet it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -274,3 +274,16 @@ def fmt_ms(seconds: float) -> str:
 
 def fmt_pct(share: float, digits: int = 1) -> str:
     return "—" if math.isnan(share) else f"{share * 100:.{digits}f} %"
+
+
+def max_min_shares(demand: Mapping[str, float], capacity: float) -> dict[str, float]:
+    """Max-min fair shares of ``capacity`` among ``demand`` (water-filling): a tenant that
+    asks for less than an equal split of what is left gets what it asks for, the rest share
+    the remainder equally; nobody gets more than it asks for."""
+    out: dict[str, float] = {}
+    left = float(capacity)
+    order = sorted(demand, key=lambda k: demand[k])
+    for i, who in enumerate(order):
+        out[who] = min(float(demand[who]), max(left, 0.0) / (len(order) - i))
+        left -= out[who]
+    return out
