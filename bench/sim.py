@@ -101,15 +101,17 @@ class LongContextLedger:
             if at < now - window:
                 del self.waiting[who]
         usage: dict[str, int] = {}
-        prefilling = 0
+        prefill_by: dict[str, int] = {}
         for who, b, pend in self.leases.values():
             usage[who] = usage.get(who, 0) + b
-            prefilling += pend > now
+            if pend > now:
+                prefill_by[who] = prefill_by.get(who, 0) + 1
         shared = self.shared_replicas
         budget, slots = long_context_budget(self.version, shared, "standard", self.adm)
         ok = long_context_admits(tenant=tenant, need=need, budget=budget, slots=slots,
-                                 usage=usage, prefilling=prefilling,
-                                 waiting=self.waiting.keys(), served=self.served)  # fmt: skip
+                                 usage=usage, prefilling=sum(prefill_by.values()),
+                                 waiting=self.waiting.keys(), served=self.served,
+                                 prefills=prefill_by)  # fmt: skip
         if ok:
             self.admitted_by[tenant] = self.admitted_by.get(tenant, 0) + 1
             self.admitted_at.setdefault(tenant, []).append(now)

@@ -55,12 +55,16 @@ def long_context_admits(
     prefilling: int,
     waiting: Iterable[str],
     served: Mapping[str, float] | None = None,
+    prefills: Mapping[str, int] | None = None,
 ) -> bool:
     """The long-context budget's decision: the fleet total and the concurrent long
-    prefills stay within the budget (an empty budget runs any one request, alone), and a
-    tenant already holding some may not go past its max-min fair share. When the room left
-    would not cover the tenants waiting ahead of this one, it goes to them, least recently
-    served first (``yields_to_waiting``)."""
+    prefills (``prefilling``; ``prefills``: how many of them each tenant runs) stay within
+    the budget (an empty budget runs any one request, alone), and a tenant already holding
+    some may not go past its max-min fair share of the KV, nor one already running long
+    prefills past its max-min fair share of the prefill slots (``fair_level`` of each, over
+    the same waiting tenants; ``slot_share_reached``). When the room left would not cover
+    the tenants waiting ahead of this one, it goes to them, least recently served first
+    (``yields_to_waiting``)."""
     waiting = set(waiting)
     total = sum(usage.values())
     if total + need > budget or prefilling >= slots:
@@ -75,10 +79,34 @@ def long_context_admits(
         kv_left=budget - total - need,
     ):
         return False
+    if slot_share_reached(tenant, slots, prefills or {}, waiting):
+        return False
     mine = usage.get(tenant, 0)
     if mine <= 0:
         return True
     return mine + need <= fair_level(budget, usage, waiting, tenant)
+
+
+def slot_share_reached(
+    tenant: str, slots: int, prefills: Mapping[str, int], waiting: Iterable[str]
+) -> bool:
+    """Whether one more long prefill would take ``tenant`` past its max-min fair share of
+    the budget's prefill slots: the water-filling level over the tenants that want more
+    (it and every waiting tenant) and what the others run (``prefills``: each tenant's
+    long prefills still running). A tenant running none is never refused by it, and with
+    nobody waiting the level is every slot the others leave free.
+
+    Why: a 128k prefill holds its slot for tens of seconds, so a tenant asking every second
+    runs many more of them than one asking every four seconds, and the turn order
+    (``yields_to_waiting``) only protects the room that the waiters ahead are short of: a
+    slot that frees while the lighter tenant's retry is still 5-10 s away goes to whichever
+    heavier tenant asks in between and was served before it. In the fleet simulation's
+    six-heavy-tenant runs that left the 0.25 req/s tenant a fraction of its max-min share
+    of the admissions; with the slot share, a tenant already running its share is refused
+    while another waits, and the slot stays free for the waiter's retry
+    (bench/results/fleet_sim_isolation_split.md)."""
+    runs = prefills.get(tenant, 0)
+    return runs > 0 and runs + 1 > fair_level(slots, prefills, waiting, tenant)
 
 
 def waiting_ahead(

@@ -212,9 +212,35 @@ end
 -- asked within the demand window. nil: admit; otherwise the wait (ms) before asking again
 -- (a busy prefill slot frees at a first token nobody can predict: the asker's own prefill
 -- estimate, ``prefill_ms``, stands in for when).
+-- max-min fair level of ``budget`` for ``tenant`` (long_context.py's fair_level): the
+-- requester and every waiting tenant want more; the others want what they hold (``held``:
+-- KV bytes, or long prefills running). Water-fill the budget over those demands.
+local function lc_level(held, waiting, tenant, budget)
+  local fixed, open = {}, 1
+  for who, u in pairs(held) do
+    if who ~= tenant then
+      if waiting[who] then open = open + 1 else table.insert(fixed, u) end
+    end
+  end
+  for who, _ in pairs(waiting) do
+    if who ~= tenant and not held[who] then open = open + 1 end
+  end
+  table.sort(fixed)
+  local left, level = budget, 0
+  local n = #fixed
+  local i = 1
+  while true do
+    level = left / (open + n - i + 1)
+    if i > n or fixed[i] > level then break end
+    left = left - fixed[i]
+    i = i + 1
+  end
+  return level
+end
 local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total, prefill_ms)
   local all = redis.call('HGETALL', l)
   local usage, served, prefilling, first_end, first_prefill = {}, {}, 0, nil, nil
+  local prefills = {}
   for i = 1, #all, 2 do
     local f, v = all[i], all[i + 1]
     local kind = string.sub(f, 1, 2)
@@ -228,6 +254,8 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
       if pe > now then
         prefilling = prefilling + 1
         if not first_prefill or pe < first_prefill then first_prefill = pe end
+        local who = string.match(v, '^%d+:%d+:%d+:(.*)$')  -- its long prefills (slot share)
+        prefills[who] = (prefills[who] or 0) + 1
       end
       if not first_end or en < first_end then first_end = en end
     end
@@ -255,29 +283,11 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
     refuse = total > 0  -- an empty budget runs any one request, alone
   elseif yields then
     refuse = true
+  elseif (prefills[tenant] or 0) > 0
+         and prefills[tenant] + 1 > lc_level(prefills, waiting, tenant, slots) then
+    refuse = true  -- past its max-min share of the prefill slots (slot_share_reached)
   elseif mine > 0 then
-    -- max-min fair level: the requester and every waiting tenant want more; the others
-    -- want what they hold. Water-fill the budget over those demands.
-    local fixed, open = {}, 1
-    for who, u in pairs(usage) do
-      if who ~= tenant then
-        if waiting[who] then open = open + 1 else table.insert(fixed, u) end
-      end
-    end
-    for who, _ in pairs(waiting) do
-      if who ~= tenant and not usage[who] then open = open + 1 end
-    end
-    table.sort(fixed)
-    local left, level = budget, 0
-    local n = #fixed
-    local i = 1
-    while true do
-      level = left / (open + n - i + 1)
-      if i > n or fixed[i] > level then break end
-      left = left - fixed[i]
-      i = i + 1
-    end
-    refuse = mine + need > level
+    refuse = mine + need > lc_level(usage, waiting, tenant, budget)
   end
   if not refuse then return nil end
   redis.call('ZADD', w, now, tenant)

@@ -9,11 +9,12 @@ expiry, and is checked against the emulator's replica cost model."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 import redis.asyncio as aioredis
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from contracts import schema
@@ -240,15 +241,20 @@ def ledgers(draw: st.DrawFn) -> dict:
     usage = draw(st.dictionaries(st.sampled_from(TENANTS), st.integers(1, 30), max_size=6))
     served = draw(st.dictionaries(st.sampled_from(TENANTS), st.integers(0, 20), max_size=6))
     slots = draw(st.integers(1, 12))
+    # each tenant's running long prefills (only tenants holding KV run any), at most slots
+    prefills = {t: draw(st.integers(0, 3)) for t in usage}
+    prefills = {t: n for t, n in prefills.items() if n}
+    assume(sum(prefills.values()) <= slots)
     return {
         "tenant": draw(st.sampled_from(TENANTS)),
         "need": draw(st.integers(1, 40)),
         "budget": draw(st.integers(1, 300)),
         "slots": slots,
         "usage": usage,
-        "prefilling": draw(st.integers(0, slots)),
+        "prefilling": sum(prefills.values()),
         "waiting": draw(st.sets(st.sampled_from(TENANTS))),
         "served": served,
+        "prefills": prefills,
     }
 
 
@@ -353,6 +359,69 @@ def test_scarce_room_still_goes_to_the_least_recently_served(ledger: dict) -> No
         assert long_context.long_context_admits(**turn)
 
 
+@given(ledgers())
+def test_no_one_passes_its_slot_share_while_another_waits(ledger: dict) -> None:
+    """An admitted tenant already running long prefills runs at most its max-min fair
+    share of the prefill slots after it (the water-filling level over it, the waiting
+    tenants and what the others run); the share never refuses a tenant running none, nor
+    one with nobody else waiting while a slot is free (the slots' total decides then)."""
+    t, prefills = ledger["tenant"], ledger["prefills"]
+    runs = prefills.get(t, 0)
+    level = long_context.fair_level(ledger["slots"], prefills, ledger["waiting"], t)
+    if long_context.long_context_admits(**ledger) and runs > 0:
+        assert runs + 1 <= level
+    if runs == 0 or (not ledger["waiting"] - {t} and ledger["prefilling"] < ledger["slots"]):
+        assert not long_context.slot_share_reached(t, ledger["slots"], prefills, ledger["waiting"])
+    if runs > 0 and runs + 1 > level:
+        assert not long_context.long_context_admits(**ledger)
+
+
+@st.composite
+def slot_hog_ledgers(draw: st.DrawFn) -> dict:
+    """Tenant a runs ``runs`` long prefills and asks for one more; b waits running fewer
+    and was served after a (so b is not ahead of a in the turn order) while free slots are
+    left for b: only a's slot share can refuse it."""
+    k = draw(st.integers(2, 5))  # tenants wanting more: a, b and k - 2 other waiters
+    slots = draw(st.integers(k + 1, 16))
+    runs = draw(st.integers(max(1, slots // k), slots - 2))
+    b_runs = draw(st.integers(0, min(runs - 1, slots - runs - 2)))
+    waiters = list("bcdef"[: k - 1])
+    prefills = {"a": runs} | ({"b": b_runs} if b_runs else {})
+    usage = {"a": runs} | ({"b": b_runs} if b_runs else {})
+    need = 1
+    return {
+        "tenant": "a",
+        "need": need,
+        "budget": 10 * (slots + 1),
+        "slots": slots,
+        "usage": usage,
+        "prefilling": sum(prefills.values()),
+        "waiting": set(waiters),
+        "served": {"a": 10} | {w: 20 for w in waiters},
+        "prefills": prefills,
+    }
+
+
+@given(slot_hog_ledgers())
+def test_a_tenant_running_its_slot_share_leaves_the_free_slots_to_the_waiters(
+    ledger: dict,
+) -> None:
+    """a already runs at least an equal split of the slots among the tenants wanting more,
+    and was served before every waiter (the turn order would admit it while the room left
+    covers them): its slot share refuses it and the free slot stays for a waiter's retry;
+    a waiter running none, asking, is admitted. Without the per-tenant count a is
+    admitted: the rule before the slot share."""
+    k = len(ledger["waiting"]) + 1
+    assume(ledger["prefills"]["a"] + 1 > ledger["slots"] / k)
+    assert not long_context.waiting_ahead("a", ledger["waiting"], ledger["served"], ledger["usage"])
+    assert not long_context.long_context_admits(**ledger)
+    assert long_context.long_context_admits(**{**ledger, "prefills": None})
+    idle = sorted(w for w in ledger["waiting"] if not ledger["prefills"].get(w))
+    if idle:  # a waiter running none asks again: it takes the slot a left
+        turn = {**ledger, "tenant": idle[0], "waiting": ledger["waiting"] - {idle[0]} | {"a"}}
+        assert long_context.long_context_admits(**turn)
+
+
 # -- the admit script against Redis ----------------------------------------------------------
 
 
@@ -415,6 +484,31 @@ async def test_a_waiter_does_not_hold_back_room_that_covers_it(aredis: aioredis.
     last = await lim.admit(q("a", prefill_slots=2, **hold))
     assert not last.admitted and last.long_context_full
     assert (await lim.admit(q("b", prefill_slots=2, **hold))).admitted
+
+
+async def test_a_tenant_running_its_slot_share_leaves_the_free_slot_to_the_waiter(
+    aredis: aioredis.Redis,
+) -> None:
+    """a runs two long prefills, then b is admitted (served after a) and asks again while
+    the three slots are busy: it waits. b's prefill ends; a, served before b, asks for the
+    one free slot: its third prefill would pass its max-min share of the slots with b
+    waiting (1.5 of 3), so it is refused, and b is admitted. (The served order alone would
+    have given a the slot: b is not ahead of it.)"""
+    lim = Limiter(aredis, AdmissionConfig())
+    hold = {"gib": 1, "prefill_slots": 3, "prefill_ms": 1, "hold_ms": 600_000}
+    for _ in range(2):
+        assert (await lim.admit(q("a", **hold))).admitted
+    await asyncio.sleep(0.01)
+    b = await lim.admit(q("b", **hold))
+    assert b.admitted and b.grant is not None
+    assert not (await lim.admit(q("b", **hold))).admitted  # three prefilling: b waits
+    assert await lim.prefill_done(b.grant)  # b's first token: one slot free, b runs none
+    tag = long_context_tag("fam-v1")
+    a_at, b_at = (_text(v or "") for v in await aredis.hmget(f"{tag}:l", ["s:a", "s:b"]))
+    assert int(a_at) < int(b_at)  # a was served before b
+    refused = await lim.admit(q("a", **hold))
+    assert not refused.admitted and refused.long_context_full
+    assert (await lim.admit(q("b", **hold))).admitted
 
 
 async def test_a_lease_that_never_ran_does_not_count_as_served(aredis: aioredis.Redis) -> None:
@@ -503,6 +597,9 @@ async def test_a_short_request_reads_the_ledger_without_claiming(aredis: aioredi
     assert plain.long_inflight_bytes == -1
 
 
+SETTLES = ("", "first", "own")  # after an ask: no settle, the oldest lease's, the asker's own
+
+
 def _text(k: bytes | str) -> str:
     return k.decode() if isinstance(k, bytes) else k
 
@@ -514,26 +611,30 @@ def _text(k: bytes | str) -> str:
 )
 @given(
     st.lists(
-        st.tuples(st.sampled_from("abcd"), st.integers(1, 40), st.booleans()),
+        st.tuples(st.sampled_from("abcd"), st.integers(1, 40), st.sampled_from(SETTLES)),
         min_size=1,
         max_size=40,
     ),
     st.integers(1, 6),
 )
+# a waiter that runs fewer long prefills than the asker but was served after it: the
+# asker's max-min share of the prefill slots, not the served order, decides the last slot
+@example([("a", 1, ""), ("a", 1, ""), ("b", 1, ""), ("b", 1, "own"), ("a", 1, "")], 3)
 async def test_script_decides_as_the_pure_rule(
-    aredis: aioredis.Redis, ops: list[tuple[str, int, bool]], slots: int
+    aredis: aioredis.Redis, ops: list[tuple[str, int, str]], slots: int
 ) -> None:
-    """Any sequence of asks and settles, with few prefill slots (each held until its
-    settle) or many: the script admits exactly what ``long_context.long_context_admits``
-    admits on the same ledger, the turn order included (whether the room left covers the
-    tenants waiting ahead, in slots and in KV)."""
+    """Any sequence of asks and settles (after each ask, none, the oldest lease's, or the
+    asking tenant's own oldest), with few prefill slots (each held until its settle) or
+    many: the script admits exactly what ``long_context.long_context_admits`` admits on the
+    same ledger, the turn order included (whether the room left covers the tenants waiting
+    ahead, in slots and in KV) and each tenant's share of the prefill slots."""
     slots = 100 if slots == 6 else slots
     await aredis.delete(*(f"{long_context_tag('fam-v1')}:{s}" for s in "lew"))
     lim = Limiter(aredis, AdmissionConfig())
     usage: dict[str, int] = {}
     waiting: set[str] = set()
     grants: list[tuple[str, int, Grant]] = []
-    for tenant, gib, settle_one in ops:
+    for tenant, gib, settle in ops:
         # each tenant's last admission as the script recorded it (the store's clock)
         ledger = await aredis.hgetall(f"{long_context_tag('fam-v1')}:l")
         raw = {_text(k): _text(v) for k, v in ledger.items()}
@@ -547,6 +648,7 @@ async def test_script_decides_as_the_pure_rule(
             prefilling=len(grants),
             waiting=waiting,
             served=served,
+            prefills=Counter(who for who, _, _ in grants),
         )
         d = await lim.admit(q(tenant, gib, prefill_slots=slots))
         assert d.admitted == expect
@@ -557,8 +659,10 @@ async def test_script_decides_as_the_pure_rule(
             waiting.discard(tenant)
         else:
             waiting.add(tenant)
-        if settle_one and grants:
-            who, g, grant = grants.pop(0)
+        mine = [i for i, (who, _, _) in enumerate(grants) if who == tenant]
+        pick = {"first": [0] if grants else [], "own": mine[:1]}.get(settle, [])
+        if pick:
+            who, g, grant = grants.pop(pick[0])
             await lim.settle(grant, actual_tokens=0, refund_request=False)
             usage[who] -= g * GIB
             if not usage[who]:
@@ -725,6 +829,7 @@ async def test_script_counts_prefills_until_their_first_token_as_the_pure_rule(
             prefilling=sum(1 for r in running if r[2]),
             waiting=waiting,
             served=served,
+            prefills=Counter(r[0] for r in running if r[2]),
         )
         d = await lim.admit(q(tenant, gib=1, prefill_slots=2, prefill_ms=1, hold_ms=600_000))
         assert d.admitted == expect
