@@ -208,10 +208,6 @@ local function lc_reclaim(l, e, now, limit)
   end
   return n
 end
--- KV in flight and concurrent long prefills, shared max-min fairly among the tenants that
--- asked within the demand window. nil: admit; otherwise the wait (ms) before asking again
--- (a busy prefill slot frees at a first token nobody can predict: the asker's own prefill
--- estimate, ``prefill_ms``, stands in for when).
 -- max-min fair level of ``budget`` for ``tenant`` (long_context.py's fair_level): the
 -- requester and every waiting tenant want more; the others want what they hold (``held``:
 -- KV bytes, or long prefills running). Water-fill the budget over those demands.
@@ -237,6 +233,10 @@ local function lc_level(held, waiting, tenant, budget)
   end
   return level
 end
+-- KV in flight and concurrent long prefills, shared max-min fairly among the tenants that
+-- asked within the demand window. nil: admit; otherwise the wait (ms) before asking again
+-- (a busy prefill slot frees at a first token nobody can predict: the asker's own prefill
+-- estimate, ``prefill_ms``, stands in for when).
 local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total, prefill_ms)
   local all = redis.call('HGETALL', l)
   local usage, served, prefilling, first_end, first_prefill = {}, {}, 0, nil, nil
