@@ -924,7 +924,7 @@ async def test_a_full_slot_is_waited_for_until_its_holders_first_token(
     the slot is left to it then."""
     lim = Limiter(aredis, AdmissionConfig())
     tag = long_context_tag("fam-v1")
-    short = replace(q("a", gib=1, prefill_slots=1, prefill_ms=1), expected_ms=1)
+    short = replace(q("a", gib=1, prefill_slots=1, prefill_ms=1, hold_ms=600_000), expected_ms=1)
     ended = await lim.admit(short)
     assert ended.admitted and ended.grant is not None
     assert await lim.prefill_done(ended.grant)
