@@ -161,6 +161,11 @@ class AdmissionConfig:
     # of its upper-bound prefill time (estimates.prefill_bound_seconds) is only the safety
     # expiry for a release that never comes (docs/design.md §7 "Long contexts").
     long_prefill_hold_factor: float = 2.0
+    # The share of the threshold prompt's prefill time that is attention (the part that
+    # grows with the context): estimates.prefill_expected_seconds, the first-token time a
+    # long prefill's lease records and a refusal for a full prefill slot is told to wait
+    # for. 0.10 is the realistic 70B profile's (emulator/profiles.py; 0.28 for the 8B one).
+    long_prefill_attention_share: float = 0.10
     # A tenant competes for the long-context budget (max-min fair share) while it asked for
     # it within this window.
     long_context_demand_window_s: float = 15.0
@@ -232,6 +237,8 @@ class AdmissionConfig:
             raise ValueError("long_prefill_slots_per_replica >= 1, demand window > 0")
         if self.long_prefill_hold_factor < 1:
             raise ValueError("long_prefill_hold_factor >= 1")
+        if not 0 <= self.long_prefill_attention_share <= 1:
+            raise ValueError("0 <= long_prefill_attention_share <= 1")
         if self.strategy not in get_args(Strategy):
             raise ValueError(f"strategy must be one of {get_args(Strategy)}")
         unknown = set(self.layers) - set(LAYERS)

@@ -66,7 +66,7 @@ from gateway.admission.estimates import (
     expected_duration_ms,
     long_context_threshold,
     prefill_bound_seconds,
-    prefill_seconds,
+    prefill_expected_seconds,
     to_milli,
     tokens_estimate,
     tpot_estimate,
@@ -85,7 +85,7 @@ from gateway.admission.replicas import ReplicaRegistry
 from gateway.admission.retry import (
     WindowCounts,
     capacity_retry_after_ms,
-    jittered_ms,
+    long_context_retry_after_ms,
     quota_retry_after_ms,
     retry_headers,
     storm_retry_after_ms,
@@ -251,7 +251,17 @@ class AdmissionController:
             + self.output_growth_bytes(req),
             budget_bytes=budget,
             prefill_slots=slots,
-            prefill_ms=max(1, int(prefill_seconds(req.prompt_tokens_est, version) * 1000)),
+            # its expected first token (attention included), recorded in its lease: what a
+            # refusal for a full prefill slot is told to wait for while this one runs
+            prefill_ms=max(
+                1,
+                math.ceil(
+                    prefill_expected_seconds(
+                        req.prompt_tokens_est, version, cfg.long_prefill_attention_share
+                    )
+                    * 1000
+                ),
+            ),
             demand_window_ms=int(cfg.long_context_demand_window_s * 1000),
             # held until the first token (``prefill_done``); this only bounds a lost release
             prefill_hold_ms=max(
@@ -540,9 +550,7 @@ class AdmissionController:
         plan_class = req.tenant.admission_class
         if d.long_context_full:
             self.metrics.decisions.labels(plan_class, "long_context_budget").inc()
-            wait_ms = jittered_ms(
-                max(d.frees_in_ms, 1000), max(1000.0, d.frees_in_ms / 2), self._rng
-            )
+            wait_ms = long_context_retry_after_ms(d.frees_in_ms, self._rng)
             return Unavailable(
                 f"The fleet's long-context capacity for {req.version.version} is in use: "
                 f"a prompt of {req.prompt_tokens_est} tokens needs a long-context slot, and "

@@ -94,3 +94,19 @@ def prefill_bound_seconds(prompt_tokens: int, version: ModelVersionLike) -> floa
     if linear <= 0:
         return 0.0
     return linear * max(1.0, prompt_tokens / long_context_threshold(version))
+
+
+def prefill_expected_seconds(
+    prompt_tokens: int, version: ModelVersionLike, attention_share: float
+) -> float:
+    """How long the prompt's prefill is expected to take on one replica of the profile,
+    attention included: the cost model's ``a*n + b*n*n`` (see ``prefill_bound_seconds``)
+    with ``attention_share`` of the threshold prompt's time taken as attention, i.e.
+    ``(1 - share) * prefill_seconds + share * prefill_bound_seconds``. The pushed rate
+    alone cannot split the two terms; the share is the replica profile's (0.10 for the
+    realistic 70B profile of emulator/profiles.py at its 1 s threshold, whose 128k prompt
+    this puts at 20.3 s against the model's 20.7 s; ``AdmissionConfig``'s
+    ``long_prefill_attention_share``). 0 when the rate is unknown."""
+    share = min(1.0, max(0.0, attention_share))
+    linear = prefill_seconds(prompt_tokens, version)
+    return (1 - share) * linear + share * prefill_bound_seconds(prompt_tokens, version)

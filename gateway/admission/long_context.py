@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from contracts.schema import ModelVersionRecord as ModelVersionLike
 from gateway.admission.classes import occupancy_ceiling
 from gateway.admission.config import AdmissionConfig, EffectiveClass
 from gateway.admission.placement import long_context_replicas
+from gateway.admission.retry import long_context_retry_latest_ms
 
 
 def long_context_budget(
@@ -164,3 +166,78 @@ def yields_to_waiting(
     (bench/results/fleet_sim_isolation_yield.md)."""
     ahead = len(waiting_ahead(tenant, waiting, served, usage))
     return ahead > 0 and (slots_left < ahead or kv_left < ahead * need)
+
+
+# -- when a refused ask should come back ---------------------------------------------------
+
+# A prefill past its expected first token is told to need a quarter of the time it has run
+# so far again (an honest guess that grows the longer it overruns; the estimate was wrong,
+# and the asker's own estimate has nothing to do with it).
+OVERRUN_DIVISOR = 4
+# A refused tenant that holds none of the budget stays waiting until the latest retry its
+# 503 asks for, plus this (its client's send and the gateway's own work before the ask).
+WAITING_GRACE_MS = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseTimes:
+    """One long-context lease's times as the ledger records them (ms, the store's clock;
+    the admit script in gateway/admission/quota.py reads the same from its lease and its
+    admission record)."""
+
+    prefill_end: int  # its prefill slot's safety expiry, or when its first token came
+    expected_end: int  # when it is expected to end (its decode at the TPOT estimate)
+    admitted: int = -1  # when it was admitted (-1: not recorded)
+    first_token_due: int = -1  # when its first token is expected (-1: not recorded)
+
+
+def prefill_frees_at(lease: LeaseTimes, now: int) -> int:
+    """When a lease still prefilling is expected to give its prefill slot back: at its
+    expected first token; once past it (the estimate was short), ``now`` plus a quarter of
+    the time it has prefilled so far (``OVERRUN_DIVISOR``); without a recorded estimate, at
+    its safety expiry. Never after the safety expiry, when the slot frees anyway."""
+    if lease.first_token_due > now:
+        at = lease.first_token_due
+    elif lease.first_token_due >= 0 and lease.admitted >= 0:
+        at = now + (now - lease.admitted) // OVERRUN_DIVISOR
+    else:
+        at = lease.prefill_end
+    return min(at, lease.prefill_end)
+
+
+def long_context_wait_ms(
+    leases: Iterable[LeaseTimes], now: int, *, slots_bound: bool, kv_bound: bool
+) -> int:
+    """How long (ms, at least 1 s) a refused long-context ask should wait before asking
+    again: until a prefill slot frees (``slots_bound``: every slot was busy, the slot left
+    went to a tenant waiting ahead, or the tenant runs its share of the slots,
+    ``slot_share_reached``) — the first of the running prefills expected to
+    end (``prefill_frees_at``), not when some lease's decode ends nor the asker's own
+    prefill estimate — and/or until KV frees (``kv_bound``: the budget's KV, or the fair
+    share), when the first lease is expected to end. Both: the later. Nothing to wait for
+    (no lease of that kind): 1 s."""
+    leases = list(leases)
+    slot_at = min(
+        (prefill_frees_at(x, now) for x in leases if x.prefill_end > now), default=now + 1000
+    )
+    kv_at = min((x.expected_end for x in leases), default=now + 1000)
+    if slots_bound and kv_bound:
+        at = max(slot_at, kv_at)
+    elif slots_bound:
+        at = slot_at
+    else:
+        at = kv_at
+    return max(1000, at - now)
+
+
+def waiting_score(now: int, wait_ms: int, window_ms: int, *, holds: bool) -> int:
+    """A refused tenant's entry among those waiting (the ledger's ``w``, scored so that it
+    counts until its score plus the demand window). A tenant that holds some of the budget
+    waits for the demand window from its refusal, as before. One that holds none is
+    waiting until its client comes back: it stays at least until the latest retry its 503
+    asks for (``long_context_retry_latest_ms``) plus ``WAITING_GRACE_MS``, so that a
+    refusal told to wait longer than the window still finds itself ahead when it retries.
+    A later refusal never shortens an entry (the script adds with ``ZADD GT``)."""
+    if holds:
+        return now
+    return max(now, now + long_context_retry_latest_ms(wait_ms) + WAITING_GRACE_MS - window_ms)

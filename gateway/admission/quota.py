@@ -150,8 +150,11 @@ LONG_READ_INTERVAL_S = 0.25
 # ``l`` the leases "<kv bytes>:<prefill end ms>:<expected end ms>:<tenant>" with their sum '#'
 # (the prefill end is a safety expiry: ``lc_prefilled`` moves it to the first token's arrival,
 # docs/design.md §7 "Long contexts"),
-# each tenant's 'u:<tenant>' and its last admission 's:<tenant>' (ms), ``e`` the lease
-# deadlines, ``w`` the tenants refused within the demand window). Prepended to the scripts
+# each tenant's 'u:<tenant>' and its last admission 's:<tenant>' (ms), each lease's admission
+# record 'p:<lease>' "<the tenant's admission before it>:<admitted ms>:<first token due ms>"
+# (its expected first token: long_context.py's ``LeaseTimes``), ``e`` the lease
+# deadlines, ``w`` the tenants waiting: refused within the demand window, scored so that an
+# entry counts until its score plus the window (``waiting_score``)). Prepended to the scripts
 # that touch it: on a single Redis the admit and settle scripts take the ledger's keys beside
 # the tenant's; on a cluster ``LONG_CONTEXT_LUA`` runs them alone on the ledger's slot.
 LEDGER_LUA = """
@@ -180,7 +183,7 @@ local function lc_unserve(l, w, id, now)
   local p = redis.call('HGET', l, 'p:' .. id)
   if not v or not p then return end
   local who = string.match(v, '^%d+:%d+:%d+:(.*)$')
-  local prev, at = string.match(p, '^(-?%d+):(%d+)$')
+  local prev, at = string.match(p, '^(-?%d+):(%d+)')
   if redis.call('HGET', l, 's:' .. who) == at then
     if tonumber(prev) < 0 then
       redis.call('HDEL', l, 's:' .. who)
@@ -207,6 +210,53 @@ local function lc_reclaim(l, e, now, limit)
     n = n + lc_drop(l, e, id)
   end
   return n
+end
+-- How long a refused ask waits (ms) before asking again, from the ledger's fields ``all``
+-- (long_context.py's long_context_wait_ms): until a prefill slot frees (slots_bound) — the
+-- first running prefill's expected first token, or once past it a quarter of the time it
+-- has run so far again (OVERRUN_DIVISOR), never after its safety expiry — and/or until KV
+-- frees (kv_bound), when the first lease is expected to end; both: the later; >= 1 s.
+local function lc_wait(all, now, slots_bound, kv_bound)
+  local leases, times = {}, {}
+  for i = 1, #all, 2 do
+    local f, v = all[i], all[i + 1]
+    local kind = string.sub(f, 1, 2)
+    if kind == 'p:' then
+      local at, due = string.match(v, '^%-?%d+:(%d+):(%d+)$')
+      if due then times[string.sub(f, 3)] = {tonumber(at), tonumber(due)} end
+    elseif f ~= '#' and kind ~= 'u:' and kind ~= 's:' then
+      local pe, en = string.match(v, '^%d+:(%d+):(%d+):')
+      leases[f] = {tonumber(pe), tonumber(en)}
+    end
+  end
+  local slot_at, kv_at = nil, nil
+  for id, x in pairs(leases) do
+    local pe, en = x[1], x[2]
+    if not kv_at or en < kv_at then kv_at = en end
+    if pe > now then
+      local at, t = pe, times[id]
+      if t and t[2] > now then
+        at = t[2]
+      elseif t then
+        at = now + math.floor((now - t[1]) / 4)
+      end
+      at = math.min(at, pe)
+      if not slot_at or at < slot_at then slot_at = at end
+    end
+  end
+  slot_at, kv_at = slot_at or (now + 1000), kv_at or (now + 1000)
+  local at = kv_at
+  if slots_bound and kv_bound then
+    at = math.max(slot_at, kv_at)
+  elseif slots_bound then
+    at = slot_at
+  end
+  return math.max(1000, at - now)
+end
+-- The latest retry-after a long-context 503 asks for when the budget says ``wait`` (retry.py's
+-- long_context_retry_latest_ms).
+local function lc_told_latest(wait)
+  return math.max(wait, 1000) + math.max(1000, math.ceil(wait / 2))
 end
 -- max-min fair level of ``budget`` for ``tenant`` (long_context.py's fair_level): the
 -- requester and every waiting tenant want more; the others want what they hold (``held``:
@@ -235,11 +285,10 @@ local function lc_level(held, waiting, tenant, budget)
 end
 -- KV in flight and concurrent long prefills, shared max-min fairly among the tenants that
 -- asked within the demand window. nil: admit; otherwise the wait (ms) before asking again
--- (a busy prefill slot frees at a first token nobody can predict: the asker's own prefill
--- estimate, ``prefill_ms``, stands in for when).
-local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total, prefill_ms)
+-- (``lc_wait``).
+local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total)
   local all = redis.call('HGETALL', l)
-  local usage, served, prefilling, first_end, first_prefill = {}, {}, 0, nil, nil
+  local usage, served, prefilling = {}, {}, 0
   local prefills = {}
   for i = 1, #all, 2 do
     local f, v = all[i], all[i + 1]
@@ -249,22 +298,19 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
     elseif kind == 's:' then
       served[string.sub(f, 3)] = tonumber(v)
     elseif f ~= '#' and kind ~= 'p:' then
-      local _, pe, en = string.match(v, '^(%d+):(%d+):(%d+):')
-      pe, en = tonumber(pe), tonumber(en)
-      if pe > now then
+      local _, pe = string.match(v, '^(%d+):(%d+):')
+      if tonumber(pe) > now then
         prefilling = prefilling + 1
-        if not first_prefill or pe < first_prefill then first_prefill = pe end
         local who = string.match(v, '^%d+:%d+:%d+:(.*)$')  -- its long prefills (slot share)
         prefills[who] = (prefills[who] or 0) + 1
       end
-      if not first_end or en < first_end then first_end = en end
     end
   end
   redis.call('ZREMRANGEBYSCORE', w, '-inf', now - window)
   local waiting = {}
   for _, who in ipairs(redis.call('ZRANGE', w, 0, -1)) do waiting[who] = true end
   local mine = usage[tenant] or 0
-  local refuse = false
+  local refuse, share = false, false
   -- room left scarce goes to the waiting tenants served longest ago (long_context.py's
   -- yields_to_waiting): ahead = those refused within the window that hold no more than the
   -- tenant does and whose last admission is older than its own; the tenant yields when
@@ -285,20 +331,30 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
     refuse = true
   elseif (prefills[tenant] or 0) > 0
          and prefills[tenant] + 1 > lc_level(prefills, waiting, tenant, slots) then
-    refuse = true  -- past its max-min share of the prefill slots (slot_share_reached)
+    refuse, share = true, true  -- past its max-min share of the prefill slots
+                                -- (slot_share_reached)
   elseif mine > 0 then
     refuse = mine + need > lc_level(usage, waiting, tenant, budget)
   end
   if not refuse then return nil end
-  redis.call('ZADD', w, now, tenant)
-  redis.call('PEXPIRE', w, window + 60000)
-  local at = first_end or (now + 1000)
-  if prefilling >= slots and first_prefill then
-    at = math.min(at, first_prefill, now + prefill_ms)
-  end
-  return math.max(1000, at - now)
+  -- a slot refusal (every slot busy, the one left goes to a tenant waiting ahead, or the
+  -- tenant runs its share of them) waits for a prefill to end, not for some lease's
+  -- decode; any other for KV to free
+  local slots_bound = prefilling >= slots or share
+                      or (yields and slots - prefilling - 1 < ahead)
+  local wait = lc_wait(all, now, slots_bound, not slots_bound or total + need > budget)
+  -- waiting (long_context.py's waiting_score): a tenant holding none of the budget until
+  -- the latest retry it is told plus 2 s of grace (WAITING_GRACE_MS) when that is past the
+  -- window; an entry is never shortened
+  local score = now
+  if mine <= 0 then score = math.max(now, now + lc_told_latest(wait) + 2000 - window) end
+  redis.call('ZADD', w, 'GT', score, tenant)
+  local ttl = score - now + window + 60000
+  if redis.call('PTTL', w) < ttl then redis.call('PEXPIRE', w, ttl) end
+  return wait
 end
-local function lc_charge(l, e, w, now, rid, tenant, need, hold_ms, expected_ms, lease_ms)
+local function lc_charge(l, e, w, now, rid, tenant, need, hold_ms, expected_ms, lease_ms,
+                         prefill_ms)
   redis.call('HSET', l, rid,
              need .. ':' .. (now + hold_ms) .. ':' .. (now + expected_ms) .. ':' .. tenant)
   redis.call('HINCRBY', l, '#', need)
@@ -306,7 +362,7 @@ local function lc_charge(l, e, w, now, rid, tenant, need, hold_ms, expected_ms, 
   -- its last admission (yields_to_waiting), and the one before for lc_unserve
   local prev = redis.call('HGET', l, 's:' .. tenant) or '-1'
   redis.call('HSET', l, 's:' .. tenant, now)
-  redis.call('HSET', l, 'p:' .. rid, prev .. ':' .. now)
+  redis.call('HSET', l, 'p:' .. rid, prev .. ':' .. now .. ':' .. (now + prefill_ms))
   redis.call('ZADD', e, now + lease_ms, rid)
   redis.call('ZREM', w, tenant)
   redis.call('PEXPIRE', l, lease_ms + 60000)
@@ -316,10 +372,11 @@ end
 
 # The long-context ledger alone, on its own slot (Redis Cluster; see the module doc).
 # ARGV: 'claim', lease id, tenant, need (0: only read the total), budget, prefill slots,
-# prefill ms, demand window ms, lease ms, expected ms, reclaim limit, prefill hold ms (the
-# safety expiry; absent: prefill ms) -> {admitted, wait ms, KV in flight after the call,
-# reclaimed}; or 'release', lease id, never ran (1/0: see lc_unserve) -> released (0/1); or
-# 'prefilled', lease id (its first token arrived: lc_prefilled) -> released a slot (0/1).
+# prefill ms (its expected first token, LongContextAsk.prefill_ms), demand window ms, lease
+# ms, expected ms, reclaim limit, prefill hold ms (the safety expiry; absent: prefill ms)
+# -> {admitted, wait ms, KV in flight after the call, reclaimed}; or 'release', lease id,
+# never ran (1/0: see lc_unserve) -> released (0/1); or 'prefilled', lease id (its first
+# token arrived: lc_prefilled) -> released a slot (0/1).
 LONG_CONTEXT_LUA = (
     LEDGER_LUA
     + """
@@ -338,10 +395,10 @@ local hold_ms = tonumber(ARGV[12] or ARGV[7])
 local reclaimed = lc_reclaim(KEYS[1], KEYS[2], now, limit)
 local total = tonumber(redis.call('HGET', KEYS[1], '#') or '0')
 if need > 0 then
-  local wait = lc_refusal(KEYS[1], KEYS[3], now, tenant, need, budget, slots, window, total,
-                          prefill_ms)
+  local wait = lc_refusal(KEYS[1], KEYS[3], now, tenant, need, budget, slots, window, total)
   if wait then return {0, math.ceil(wait), total, reclaimed} end
-  lc_charge(KEYS[1], KEYS[2], KEYS[3], now, rid, tenant, need, hold_ms, expected_ms, lease_ms)
+  lc_charge(KEYS[1], KEYS[2], KEYS[3], now, rid, tenant, need, hold_ms, expected_ms, lease_ms,
+            prefill_ms)
   total = total + need
 end
 return {1, 0, total, reclaimed}
@@ -527,7 +584,7 @@ end
 -- ledger's total for placement)
 if lc and lc_need > 0 then
   local wait = lc_refusal(KEYS[5], KEYS[7], now, tenant, lc_need, lc_budget, lc_slots,
-                          lc_window, lc_total, lc_prefill_ms)
+                          lc_window, lc_total)
   if wait then return deny(5, wait) end
 end
 
@@ -576,7 +633,7 @@ end
 redis.call('HSET', KEYS[2], '#r' .. (idx % 6), counted(tslots))
 if lc and lc_need > 0 then
   lc_charge(KEYS[5], KEYS[6], KEYS[7], now, rid, tenant, lc_need, lc_hold_ms, expected_ms,
-            lease_ms)
+            lease_ms, lc_prefill_ms)
   lc_total = lc_total + lc_need
 end
 -- == per-key limits: charge the key's bucket and take a slot of its in-flight count =======
@@ -880,7 +937,10 @@ class LongContextAsk:
     kv_bytes: int  # its prompt's KV
     budget_bytes: int  # the budget's KV (gateway.admission.long_context.long_context_budget)
     prefill_slots: int  # concurrent long prefills the budget allows
-    prefill_ms: int  # how long its prefill alone takes on the profile (the retry hint)
+    # when its first token is expected, from admission (attention included:
+    # estimates.prefill_expected_seconds); its lease records it, and a refusal for a full
+    # prefill slot is told to wait until the first running prefill's is due
+    prefill_ms: int
     demand_window_ms: int
     # How long its prefill slot is held at most: the slot is released when the first token
     # arrives (``Limiter.prefill_done``); this expiry only bounds a release that never
