@@ -81,7 +81,9 @@ class LongContextLedger:
     gateway/admission/quota.py) and the budget's decisions on it
     (``long_context.long_context_admits``): leases (lease -> tenant, KV bytes, the time its
     prefill slot is held until), tenants refused within the demand window (-> when), each
-    tenant's last admission, and the admissions per tenant (and when each was)."""
+    tenant's last admission, and the admissions per tenant (and when each was). It records
+    no due-backs: its clients retry on their own schedule, not at the retry-after, so every
+    waiter counts as due now and the turn order has no backfill (``yields_to_waiting``)."""
 
     version: schema.ModelVersionRecord
     shared_replicas: int

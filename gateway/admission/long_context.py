@@ -58,6 +58,8 @@ def long_context_admits(
     waiting: Iterable[str],
     served: Mapping[str, float] | None = None,
     prefills: Mapping[str, int] | None = None,
+    first_token_at: int | None = None,
+    due: Mapping[str, int] | None = None,
 ) -> bool:
     """The long-context budget's decision: the fleet total and the concurrent long
     prefills (``prefilling``; ``prefills``: how many of them each tenant runs) stay within
@@ -66,7 +68,8 @@ def long_context_admits(
     prefills past its max-min fair share of the prefill slots (``fair_level`` of each, over
     the same waiting tenants; ``slot_share_reached``). When the room left would not cover
     the tenants waiting ahead of this one, it goes to them, least recently served first
-    (``yields_to_waiting``)."""
+    (``yields_to_waiting``; ``first_token_at``: when this ask's first token is expected,
+    ``due``: when each waiting tenant is due back, as the ledger records them)."""
     waiting = set(waiting)
     total = sum(usage.values())
     if total + need > budget or prefilling >= slots:
@@ -79,6 +82,8 @@ def long_context_admits(
         need=need,
         slots_left=slots - prefilling - 1,
         kv_left=budget - total - need,
+        first_token_at=first_token_at,
+        due=due,
     ):
         return False
     if slot_share_reached(tenant, slots, prefills or {}, waiting):
@@ -137,13 +142,15 @@ def yields_to_waiting(
     need: int,
     slots_left: int,
     kv_left: int,
+    first_token_at: int | None = None,
+    due: Mapping[str, int] | None = None,
 ) -> bool:
     """Whether ``tenant`` must leave the room to the tenants waiting ahead of it (W,
     ``waiting_ahead``): it yields exactly when W is not empty and admitting it would leave
-    fewer free long-prefill slots than |W| (``slots_left``: free slots after this
-    admission) or less of the budget's KV than |W| requests of this size (``kv_left``: free
-    KV bytes after it; a waiter's own size is not recorded, this request's ``need`` stands
-    in for it).
+    fewer free long-prefill slots than the waiters ahead it would displace (``slots_left``:
+    free slots after this admission; ``displaced``) or less of the budget's KV than |W|
+    requests of this size (``kv_left``: free KV bytes after it; a waiter's own size is not
+    recorded, this request's ``need`` stands in for it).
 
     Why: a long prefill holds a replica for many seconds and the budget runs only a few at
     once, so the KV share alone cannot be fair when room is scarce: whoever asks first after
@@ -157,15 +164,54 @@ def yields_to_waiting(
     (bench/results/fleet_sim_isolation_drain.md). A lone tenant (nobody ahead) never
     yields.
 
-    The KV clause: a prefill slot frees at the first token but the request's KV stays until
-    it ends, so with long outputs the KV can run short while slots are free, and the same
-    lottery would decide who gets it. In the fleet simulation's sizing probes and its
-    six-heavy-tenant run it never decided an ask (0 of ~350 and of 2,915 that reached it;
-    the slot clause refused 0-5 and 2,143): the designated replicas' KV holds several 128k
-    requests per prefill slot, so there the slots run short first
-    (bench/results/fleet_sim_isolation_yield.md)."""
-    ahead = len(waiting_ahead(tenant, waiting, served, usage))
-    return ahead > 0 and (slots_left < ahead or kv_left < ahead * need)
+    Backfill (as EASY-backfilling schedulers fill a reservation's gap): the slot clause
+    counts only the waiters ahead that are due back (``due``: the ledger's refusal time
+    plus the wait it was told, before jitter) no later than this ask's expected first token
+    (``first_token_at``: now plus ``LongContextAsk.prefill_ms``). A prefill slot frees at
+    the first token, so an ask that will be done prefilling before a waiter can come back
+    takes nothing from it: it runs in the gap that would otherwise be idle (the
+    noisy-neighbour benchmark found one slot held empty for seconds while two tenants were
+    refused eight times yielding to a third not yet due back,
+    bench/results/nn_retry_after/README.md). A waiter with no due-back recorded, or no
+    ``first_token_at`` given (the fleet simulation's clients do not read retry-after),
+    counts as due now: the rule as before. An estimate that runs long can still be in the
+    slot when the waiter returns; it then waits for that prefill's first token
+    (``long_context_wait_ms``), as it would for any running prefill.
+
+    The KV clause keeps every waiter ahead: a prefill slot frees at the first token but the
+    request's KV stays until it ends (tens of seconds of decode, unknown output length), so
+    an ask done prefilling before a waiter returns still holds the KV the waiter needs, and
+    the gap argument does not hold for it. With long outputs the KV can run short while
+    slots are free, and the same lottery would decide who gets it. In the fleet
+    simulation's sizing probes and its six-heavy-tenant run it never decided an ask (0 of
+    ~350 and of 2,915 that reached it; the slot clause refused 0-5 and 2,143): the
+    designated replicas' KV holds several 128k requests per prefill slot, so there the slots
+    run short first (bench/results/fleet_sim_isolation_yield.md)."""
+    ahead = waiting_ahead(tenant, waiting, served, usage)
+    early = len(displaced(ahead, first_token_at, due or {}))
+    return bool(ahead) and (slots_left < early or kv_left < len(ahead) * need)
+
+
+def displaced(ahead: Iterable[str], first_token_at: int | None, due: Mapping[str, int]) -> set[str]:
+    """The waiters ahead that an ask expected to finish prefilling at ``first_token_at``
+    would keep from a slot: each due back no later than that (``due``; absent, or no
+    ``first_token_at``: due now, displaced)."""
+    return {w for w in ahead if first_token_at is None or w not in due or due[w] <= first_token_at}
+
+
+def yield_wait_ms(slot_wait_ms: int, ahead_back: Iterable[tuple[int, int]], now: int) -> int:
+    """How long a tenant that yielded to the waiters ahead is told to wait: until the room
+    is expected for it, when every waiter ahead has come back and had its prefill
+    (``ahead_back``: each one's due-back and its last ask's ``prefill_ms``, as the ledger
+    records them; a waiter with none recorded counts as due now with no prefill), and at
+    least the slot or KV wait it would be told anyway (``slot_wait_ms``,
+    ``long_context_wait_ms``). The approximation: a waiter's prefill is the estimate of
+    the ask it was refused for, it is assumed to come back at the earliest it was told
+    (jitter only makes it later) and to take the slot then, and waiters ahead are not
+    assumed to share the free slots: the latest of them bounds the wait. It is not told 1 s
+    with the slot idle and the waiter not due for seconds (its retries would run out)."""
+    back = max((at + prefill for at, prefill in ahead_back), default=now)
+    return max(slot_wait_ms, back - now)
 
 
 # -- when a refused ask should come back ---------------------------------------------------
@@ -209,13 +255,14 @@ def long_context_wait_ms(
     leases: Iterable[LeaseTimes], now: int, *, slots_bound: bool, kv_bound: bool
 ) -> int:
     """How long (ms, at least 1 s) a refused long-context ask should wait before asking
-    again: until a prefill slot frees (``slots_bound``: every slot was busy, the slot left
-    went to a tenant waiting ahead, or the tenant runs its share of the slots,
-    ``slot_share_reached``) — the first of the running prefills expected to
-    end (``prefill_frees_at``), not when some lease's decode ends nor the asker's own
-    prefill estimate — and/or until KV frees (``kv_bound``: the budget's KV, or the fair
-    share), when the first lease is expected to end. Both: the later. Nothing to wait for
-    (no lease of that kind): 1 s."""
+        again: until a prefill slot frees (``slots_bound``: every slot was busy, the slot left
+        went to a tenant waiting ahead, or the tenant runs its share of the slots,
+        ``slot_share_reached``) — the first of the running prefills expected to
+        end (``prefill_frees_at``), not when some lease's decode ends nor the asker's own
+        prefill estimate — and/or until KV frees (``kv_bound``: the budget's KV, or the fair
+        share), when the first lease is expected to end. Both: the later. Nothing to wait for
+        (no lease of that kind): 1 s. A tenant that yielded to the waiters ahead is told
+    the later of this and ``yield_wait_ms``."""
     leases = list(leases)
     slot_at = min(
         (prefill_frees_at(x, now) for x in leases if x.prefill_end > now), default=now + 1000

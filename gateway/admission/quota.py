@@ -152,7 +152,10 @@ LONG_READ_INTERVAL_S = 0.25
 # docs/design.md §7 "Long contexts"),
 # each tenant's 'u:<tenant>' and its last admission 's:<tenant>' (ms), each lease's admission
 # record 'p:<lease>' "<the tenant's admission before it>:<admitted ms>:<first token due ms>"
-# (its expected first token: long_context.py's ``LeaseTimes``), ``e`` the lease
+# (its expected first token: long_context.py's ``LeaseTimes``), each refused tenant's due-back
+# 'd:<tenant>' "<refusal ms + the wait it was told>:<its ask's prefill ms>" (the backfill in
+# long_context.py's ``yields_to_waiting``; deleted when it is admitted, and when it is no longer
+# waiting at the next ask), ``e`` the lease
 # deadlines, ``w`` the tenants waiting: refused within the demand window, scored so that an
 # entry counts until its score plus the window (``waiting_score``)). Prepended to the scripts
 # that touch it: on a single Redis the admit and settle scripts take the ledger's keys beside
@@ -224,7 +227,7 @@ local function lc_wait(all, now, slots_bound, kv_bound)
     if kind == 'p:' then
       local at, due = string.match(v, '^%-?%d+:(%d+):(%d+)$')
       if due then times[string.sub(f, 3)] = {tonumber(at), tonumber(due)} end
-    elseif f ~= '#' and kind ~= 'u:' and kind ~= 's:' then
+    elseif f ~= '#' and kind ~= 'u:' and kind ~= 's:' and kind ~= 'd:' then
       local pe, en = string.match(v, '^%d+:(%d+):(%d+):')
       leases[f] = {tonumber(pe), tonumber(en)}
     end
@@ -285,11 +288,11 @@ local function lc_level(held, waiting, tenant, budget)
 end
 -- KV in flight and concurrent long prefills, shared max-min fairly among the tenants that
 -- asked within the demand window. nil: admit; otherwise the wait (ms) before asking again
--- (``lc_wait``).
-local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total)
+-- (``lc_wait``). ``prefill_ms``: the ask's expected prefill (its first token's estimate).
+local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total, prefill_ms)
   local all = redis.call('HGETALL', l)
   local usage, served, prefilling = {}, {}, 0
-  local prefills = {}
+  local prefills, due = {}, {}
   for i = 1, #all, 2 do
     local f, v = all[i], all[i + 1]
     local kind = string.sub(f, 1, 2)
@@ -297,6 +300,9 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total)
       usage[string.sub(f, 3)] = tonumber(v)
     elseif kind == 's:' then
       served[string.sub(f, 3)] = tonumber(v)
+    elseif kind == 'd:' then
+      local at, pf = string.match(v, '^(%-?%d+):(%d+)$')
+      if at then due[string.sub(f, 3)] = {tonumber(at), tonumber(pf)} end
     elseif f ~= '#' and kind ~= 'p:' then
       local _, pe = string.match(v, '^(%d+):(%d+):')
       if tonumber(pe) > now then
@@ -309,21 +315,30 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total)
   redis.call('ZREMRANGEBYSCORE', w, '-inf', now - window)
   local waiting = {}
   for _, who in ipairs(redis.call('ZRANGE', w, 0, -1)) do waiting[who] = true end
+  for who, _ in pairs(due) do  -- a due-back outlives its waiting entry by one ask at most
+    if not waiting[who] then redis.call('HDEL', l, 'd:' .. who); due[who] = nil end
+  end
   local mine = usage[tenant] or 0
   local refuse, share = false, false
   -- room left scarce goes to the waiting tenants served longest ago (long_context.py's
   -- yields_to_waiting): ahead = those refused within the window that hold no more than the
   -- tenant does and whose last admission is older than its own; the tenant yields when
   -- admitting it would leave fewer free prefill slots than them, or less KV than that many
-  -- requests of its size
+  -- requests of its size. Backfill: the slot clause counts only those due back ('d:') no
+  -- later than the ask's expected first token (absent: due now); its slot is free again by
+  -- then. ``back``: when the last of them is due back and through its prefill (yield_wait_ms)
   local last = served[tenant] or -1
-  local ahead = 0
+  local ahead, early, back = 0, 0, now
+  local first_token = now + prefill_ms
   for who, _ in pairs(waiting) do
     if who ~= tenant and (served[who] or -1) < last and (usage[who] or 0) <= mine then
       ahead = ahead + 1
+      local d = due[who]
+      if not d or d[1] <= first_token then early = early + 1 end
+      if d then back = math.max(back, d[1] + d[2]) end
     end
   end
-  local yields = ahead > 0 and (slots - prefilling - 1 < ahead
+  local yields = ahead > 0 and (slots - prefilling - 1 < early
                                 or budget - total - need < ahead * need)
   if total + need > budget or prefilling >= slots then
     refuse = total > 0  -- an empty budget runs any one request, alone
@@ -341,8 +356,10 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total)
   -- tenant runs its share of them) waits for a prefill to end, not for some lease's
   -- decode; any other for KV to free
   local slots_bound = prefilling >= slots or share
-                      or (yields and slots - prefilling - 1 < ahead)
+                      or (yields and slots - prefilling - 1 < early)
   local wait = lc_wait(all, now, slots_bound, not slots_bound or total + need > budget)
+  -- a yield: when the room is expected for it (long_context.py's yield_wait_ms)
+  if yields then wait = math.max(wait, back - now) end
   -- waiting (long_context.py's waiting_score): a tenant holding none of the budget until
   -- the latest retry it is told plus 2 s of grace (WAITING_GRACE_MS) when that is past the
   -- window; an entry is never shortened
@@ -351,6 +368,10 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total)
   redis.call('ZADD', w, 'GT', score, tenant)
   local ttl = score - now + window + 60000
   if redis.call('PTTL', w) < ttl then redis.call('PEXPIRE', w, ttl) end
+  -- when it is due back at the earliest (its told wait before jitter), for the backfill;
+  -- the ledger lives at least as long as the waiting entry
+  redis.call('HSET', l, 'd:' .. tenant, (now + math.ceil(wait)) .. ':' .. math.floor(prefill_ms))
+  if redis.call('PTTL', l) < ttl then redis.call('PEXPIRE', l, ttl) end
   return wait
 end
 local function lc_charge(l, e, w, now, rid, tenant, need, hold_ms, expected_ms, lease_ms,
@@ -365,7 +386,8 @@ local function lc_charge(l, e, w, now, rid, tenant, need, hold_ms, expected_ms, 
   redis.call('HSET', l, 'p:' .. rid, prev .. ':' .. now .. ':' .. (now + prefill_ms))
   redis.call('ZADD', e, now + lease_ms, rid)
   redis.call('ZREM', w, tenant)
-  redis.call('PEXPIRE', l, lease_ms + 60000)
+  redis.call('HDEL', l, 'd:' .. tenant)
+  if redis.call('PTTL', l) < lease_ms + 60000 then redis.call('PEXPIRE', l, lease_ms + 60000) end
   redis.call('PEXPIRE', e, lease_ms + 60000)
 end
 """
@@ -395,7 +417,8 @@ local hold_ms = tonumber(ARGV[12] or ARGV[7])
 local reclaimed = lc_reclaim(KEYS[1], KEYS[2], now, limit)
 local total = tonumber(redis.call('HGET', KEYS[1], '#') or '0')
 if need > 0 then
-  local wait = lc_refusal(KEYS[1], KEYS[3], now, tenant, need, budget, slots, window, total)
+  local wait = lc_refusal(KEYS[1], KEYS[3], now, tenant, need, budget, slots, window, total,
+                          prefill_ms)
   if wait then return {0, math.ceil(wait), total, reclaimed} end
   lc_charge(KEYS[1], KEYS[2], KEYS[3], now, rid, tenant, need, hold_ms, expected_ms, lease_ms,
             prefill_ms)
@@ -584,7 +607,7 @@ end
 -- ledger's total for placement)
 if lc and lc_need > 0 then
   local wait = lc_refusal(KEYS[5], KEYS[7], now, tenant, lc_need, lc_budget, lc_slots,
-                          lc_window, lc_total)
+                          lc_window, lc_total, lc_prefill_ms)
   if wait then return deny(5, wait) end
 end
 

@@ -123,7 +123,10 @@ def leases(rdb: redis.Redis, tenant: Tenant) -> list[tuple[int, int]]:
     out = []
     for field, value in ledger.items():
         parts = value.decode().split(":", 3)
-        if not field.startswith((b"#", b"u:", b"s:", b"p:")) and parts[3] == tenant.tenant_id:
+        if (
+            not field.startswith((b"#", b"u:", b"s:", b"p:", b"d:"))
+            and parts[3] == tenant.tenant_id
+        ):
             out.append((int(parts[0]), int(parts[1])))
     return out
 

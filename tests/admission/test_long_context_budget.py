@@ -12,6 +12,7 @@ import asyncio
 import random
 from collections import Counter
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -33,6 +34,7 @@ from gateway.admission.quota import (
     Grant,
     Limiter,
     LongContextAsk,
+    QuotaDecision,
     QuotaRequest,
     long_context_tag,
     prefilling,
@@ -288,6 +290,40 @@ def test_no_yield_while_the_room_left_covers_the_tenants_waiting_ahead(ledger: d
     )
 
 
+@settings(max_examples=400, derandomize=True)
+@given(ledgers(), st.integers(0, 100_000))
+def test_an_ask_done_prefilling_before_the_waiters_are_back_takes_no_slot_from_them(
+    ledger: dict, first_token_at: int
+) -> None:
+    """Backfill: every waiter ahead is due back after this ask's expected first token and
+    the KV left covers them: the ask is decided as if nobody were waiting ahead (its slot
+    is free again by then). One due back no later than it: decided as without due-backs,
+    the slot clause counting every waiter ahead as before."""
+    w = long_context.waiting_ahead(
+        ledger["tenant"], ledger["waiting"], ledger["served"], ledger["usage"]
+    )
+    _, kv_left = _room_left(ledger)
+    unordered = {**ledger, "served": {}}
+    later = {t: first_token_at + 1 + i for i, t in enumerate(sorted(w))}
+    if kv_left >= len(w) * ledger["need"]:
+        assert long_context.long_context_admits(
+            **ledger, first_token_at=first_token_at, due=later
+        ) == long_context.long_context_admits(**unordered)
+    now = {t: first_token_at - i for i, t in enumerate(sorted(w))}
+    assert long_context.long_context_admits(
+        **ledger, first_token_at=first_token_at, due=now
+    ) == long_context.long_context_admits(**ledger)
+
+
+def test_a_yield_waits_for_the_waiters_ahead_to_be_back_and_through_their_prefill() -> None:
+    """Told when the last waiter ahead is due back plus its prefill, at least the slot
+    wait; a waiter due long ago (or none) leaves the slot wait."""
+    assert long_context.yield_wait_ms(1000, [(T0 + 3000, 2000), (T0 + 500, 100)], T0) == 5000
+    assert long_context.yield_wait_ms(7000, [(T0 + 3000, 2000)], T0) == 7000
+    assert long_context.yield_wait_ms(1000, [(T0 - 9000, 2000)], T0) == 1000
+    assert long_context.yield_wait_ms(1000, [], T0) == 1000
+
+
 @given(ledgers())
 def test_a_lone_tenant_never_yields(ledger: dict) -> None:
     """Nobody else waiting: the budget's total and prefill slots and the fair share
@@ -465,10 +501,50 @@ async def test_the_freed_slot_goes_to_the_tenant_that_waited(aredis: aioredis.Re
     refused = await lim.admit(q("b", gib=1, prefill_slots=1, prefill_ms=1))  # slot busy
     assert not refused.admitted and refused.long_context_full
     await asyncio.sleep(0.25)  # a's prefill ends: the slot is free
-    mine = await lim.admit(q("a", gib=1, prefill_slots=1, prefill_ms=1))
-    assert not mine.admitted and mine.long_context_full  # b waited and was served less
+    # b waited and was served less; a's 60 s prefill would still hold the slot when b is
+    # due back (in about 1 s), so a yields
+    mine = await lim.admit(q("a", gib=1, prefill_slots=1, prefill_ms=60_000))
+    assert not mine.admitted and mine.long_context_full
     assert mine.frees_in_ms >= 1000
     assert (await lim.admit(q("b", gib=1, prefill_slots=1, prefill_ms=1))).admitted
+
+
+async def test_an_idle_slot_is_backfilled_until_the_waiter_is_due_back(
+    aredis: aioredis.Redis,
+) -> None:
+    """One prefill slot, idle; b (never served) waits, told to come back in about 3 s when
+    c's prefill was due. a (served before) asks: with a 1 s prefill it is done before b is
+    back, so it is admitted; with a 5 s one it would still hold the slot then, so it yields
+    and is told to come back once b is due back and through its own 2 s prefill, not 1 s."""
+    lim = Limiter(aredis, AdmissionConfig())
+    tag = long_context_tag("fam-v1")
+    hold = {"gib": 1, "prefill_slots": 1, "hold_ms": 600_000}
+    a = await lim.admit(q("a", prefill_ms=1, **hold))
+    assert a.admitted and a.grant is not None
+    assert await lim.prefill_done(a.grant)
+    c = await lim.admit(q("c", prefill_ms=3_000, **hold))
+    assert c.admitted and c.grant is not None
+    before = await _store_ms(aredis)
+    b = await lim.admit(q("b", prefill_ms=2_000, **hold))
+    after = await _store_ms(aredis)
+    assert not b.admitted and b.long_context_full
+    due_b, prefill_b = (
+        int(x) for x in _text(await aredis.hget(f"{tag}:l", "d:b") or b"").split(":")
+    )
+    assert before + b.frees_in_ms <= due_b <= after + b.frees_in_ms and prefill_b == 2_000
+    assert due_b - after >= 2_000  # b is due back in about 3 s
+    assert await lim.prefill_done(c.grant)  # the slot is idle, b not back yet
+    short = await lim.admit(q("a", prefill_ms=1_000, **hold))
+    assert short.admitted and short.grant is not None  # backfilled
+    assert await aredis.hget(f"{tag}:l", "d:a") is None
+    assert await lim.prefill_done(short.grant)
+    long_ = await lim.admit(q("a", prefill_ms=5_000, **hold))
+    now = await _store_ms(aredis)
+    assert not long_.admitted and long_.long_context_full
+    assert long_.frees_in_ms >= due_b + prefill_b - now  # not 1 s
+    # b back: the slot is its turn (a now counts as waiting after it was served later)
+    back = await lim.admit(q("b", prefill_ms=2_000, **hold))
+    assert back.admitted and await aredis.hget(f"{tag}:l", "d:b") is None
 
 
 async def test_a_waiter_does_not_hold_back_room_that_covers_it(aredis: aioredis.Redis) -> None:
@@ -605,10 +681,43 @@ async def test_a_short_request_reads_the_ledger_without_claiming(aredis: aioredi
 
 
 SETTLES = ("", "first", "own")  # after an ask: no settle, the oldest lease's, the asker's own
+LONG = 60_000
+PREFILLS = (1, 3_000, LONG)  # an ask's expected prefill (ms): before, near, after due-backs
 
 
 def _text(k: bytes | str) -> str:
     return k.decode() if isinstance(k, bytes) else k
+
+
+async def _ledger_order(aredis: aioredis.Redis) -> tuple[dict[str, int], dict[str, int]]:
+    """Each tenant's last admission ('s:') and each refused tenant's due-back ('d:') as the
+    script recorded them (the store's clock)."""
+    ledger = await aredis.hgetall(f"{long_context_tag('fam-v1')}:l")
+    raw = {_text(k): _text(v) for k, v in ledger.items()}
+    served = {k[2:]: int(v) for k, v in raw.items() if k.startswith("s:")}
+    due = {k[2:]: int(v.split(":")[0]) for k, v in raw.items() if k.startswith("d:")}
+    return served, due
+
+
+async def _admits_as_the_rule(
+    aredis: aioredis.Redis, lim: Limiter, req: QuotaRequest, **ledger: Any
+) -> QuotaDecision:
+    """Asks the script and checks it against ``long_context_admits`` on ``ledger`` with the
+    due-backs the script recorded and the ask's expected first token at the store's clock
+    before and after the call (when the two disagree the clock decided it: either goes)."""
+    assert req.long is not None
+    served, due = await _ledger_order(aredis)
+    before = await _store_ms(aredis)
+    d = await lim.admit(req)
+    after = await _store_ms(aredis)
+    expect = {
+        long_context.long_context_admits(
+            served=served, due=due, first_token_at=now + req.long.prefill_ms, **ledger
+        )
+        for now in (before, after)
+    }
+    assert d.admitted in expect
+    return d
 
 
 @settings(
@@ -618,7 +727,12 @@ def _text(k: bytes | str) -> str:
 )
 @given(
     st.lists(
-        st.tuples(st.sampled_from("abcd"), st.integers(1, 40), st.sampled_from(SETTLES)),
+        st.tuples(
+            st.sampled_from("abcd"),
+            st.integers(1, 40),
+            st.sampled_from(SETTLES),
+            st.sampled_from(PREFILLS),
+        ),
         min_size=1,
         max_size=40,
     ),
@@ -626,27 +740,37 @@ def _text(k: bytes | str) -> str:
 )
 # a waiter that runs fewer long prefills than the asker but was served after it: the
 # asker's max-min share of the prefill slots, not the served order, decides the last slot
-@example([("a", 1, ""), ("a", 1, ""), ("b", 1, ""), ("b", 1, "own"), ("a", 1, "")], 3)
+@example(
+    [("a", 1, "", LONG), ("a", 1, "", LONG), ("b", 1, "", LONG), ("b", 1, "own", LONG)]
+    + [("a", 1, "", LONG)],
+    3,
+)
+# one slot: b waits for a's prefill (due back in >= 1 s); a's 1 ms prefill backfills the
+# slot before b is back, its 60 s one yields to b
+@example([("a", 1, "", LONG), ("b", 1, "first", 1), ("a", 1, "", 1), ("a", 1, "", LONG)], 1)
 async def test_script_decides_as_the_pure_rule(
-    aredis: aioredis.Redis, ops: list[tuple[str, int, str]], slots: int
+    aredis: aioredis.Redis, ops: list[tuple[str, int, str, int]], slots: int
 ) -> None:
     """Any sequence of asks and settles (after each ask, none, the oldest lease's, or the
     asking tenant's own oldest), with few prefill slots (each held until its settle) or
-    many: the script admits exactly what ``long_context.long_context_admits`` admits on the
-    same ledger, the turn order included (whether the room left covers the tenants waiting
-    ahead, in slots and in KV) and each tenant's share of the prefill slots."""
+    many, and asks whose prefill ends before the waiters are due back or not: the script
+    admits exactly what ``long_context.long_context_admits`` admits on the same ledger, the
+    turn order included (whether the room left covers the tenants waiting ahead, in slots
+    and in KV, and the backfill by the due-backs the script recorded) and each tenant's
+    share of the prefill slots."""
     slots = 100 if slots == 6 else slots
     await aredis.delete(*(f"{long_context_tag('fam-v1')}:{s}" for s in "lew"))
     lim = Limiter(aredis, AdmissionConfig())
     usage: dict[str, int] = {}
     waiting: set[str] = set()
     grants: list[tuple[str, int, Grant]] = []
-    for tenant, gib, settle in ops:
-        # each tenant's last admission as the script recorded it (the store's clock)
-        ledger = await aredis.hgetall(f"{long_context_tag('fam-v1')}:l")
-        raw = {_text(k): _text(v) for k, v in ledger.items()}
-        served = {k[2:]: int(v) for k, v in raw.items() if k.startswith("s:")}
-        expect = long_context.long_context_admits(
+    for tenant, gib, settle, prefill in ops:
+        # each prefill holds its slot until its settle (safety expiry 600 s)
+        req = q(tenant, gib, prefill_slots=slots, prefill_ms=prefill, hold_ms=600_000)
+        d = await _admits_as_the_rule(
+            aredis,
+            lim,
+            req,
             tenant=tenant,
             need=gib * GIB,
             budget=BUDGET,
@@ -654,11 +778,8 @@ async def test_script_decides_as_the_pure_rule(
             usage=usage,
             prefilling=len(grants),
             waiting=waiting,
-            served=served,
             prefills=Counter(who for who, _, _ in grants),
         )
-        d = await lim.admit(q(tenant, gib, prefill_slots=slots))
-        assert d.admitted == expect
         if d.admitted:
             assert d.grant is not None
             grants.append((tenant, gib, d.grant))
@@ -824,10 +945,10 @@ async def test_script_counts_prefills_until_their_first_token_as_the_pure_rule(
             if not usage[who]:
                 del usage[who]
             continue
-        ledger = await aredis.hgetall(f"{long_context_tag('fam-v1')}:l")
-        raw = {_text(k): _text(v) for k, v in ledger.items()}
-        served = {k[2:]: int(v) for k, v in raw.items() if k.startswith("s:")}
-        expect = long_context.long_context_admits(
+        d = await _admits_as_the_rule(
+            aredis,
+            lim,
+            q(tenant, gib=1, prefill_slots=2, prefill_ms=1, hold_ms=600_000),
             tenant=tenant,
             need=GIB,
             budget=BUDGET,
@@ -835,11 +956,8 @@ async def test_script_counts_prefills_until_their_first_token_as_the_pure_rule(
             usage=usage,
             prefilling=sum(1 for r in running if r[2]),
             waiting=waiting,
-            served=served,
             prefills=Counter(r[0] for r in running if r[2]),
         )
-        d = await lim.admit(q(tenant, gib=1, prefill_slots=2, prefill_ms=1, hold_ms=600_000))
-        assert d.admitted == expect
         if d.admitted:
             assert d.grant is not None
             running.append((tenant, d.grant, True))
