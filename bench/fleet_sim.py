@@ -1131,7 +1131,8 @@ def _heavy_tenant_table(res: SimResult, lo: float, end: float) -> list[str]:
     cells = [
         [t, f"{rate.get(t, 0):g}", f"{a['demand']:.0f} / {a['demand_win']:.0f}",
          f"{a['admits']:.0f} / {a['admits_win']:.0f}",
-         f"{a['share']:.1f} / {a['share_win']:.1f}", res.long_refused_by.get(t, 0),
+         (f"{a['share']:.1f} / {a['share_win']:.1f}" if a["share"] else "—"),
+         res.long_refused_by.get(t, 0),
          prefilled.get(t, 0) // HEAVY_PROMPT,
          _pct(prefilled.get(t, 0) / total) if total else "—",
          done.get(t, 0), f"{done.get(t, 0) / (end - lo):.3f}"]
@@ -1182,10 +1183,10 @@ def write_isolation_report(
         f"load does not enter the figures{'; ' + load if load else ''}), {scale.rate_rps:g} "
         "req/s Poisson of the heavy-tailed shape (docs/design.md §2), classes 10 % reserved / "
         f"80 % standard / 10 % free, {scale.gateways} gateways, scrapes every 250 ms. "
-        "**new** = the long-context budget (max-min fair, least recently served first while "
-        "room is scarce), the ceilings counting each request's own prompt KV, long "
-        "contexts packed onto the designated replicas (a quarter of the fleet) and short "
-        "traffic kept off them; "
+        "**new** = the long-context budget (max-min fair shares of its KV and of its prefill "
+        "slots, least recently served first while room is scarce), the ceilings counting "
+        "each request's own prompt KV, long contexts packed onto the designated replicas "
+        "(a quarter of the fleet) and short traffic kept off them; "
         "**old** = the same replicas and gateways with none of that: P2C + optimistic "
         "in-flight, no long-context budget, no context-aware placement. Both policies "
         "replay the same arrivals.",
