@@ -255,13 +255,13 @@ def long_context_wait_ms(
     leases: Iterable[LeaseTimes], now: int, *, slots_bound: bool, kv_bound: bool
 ) -> int:
     """How long (ms, at least 1 s) a refused long-context ask should wait before asking
-        again: until a prefill slot frees (``slots_bound``: every slot was busy, the slot left
-        went to a tenant waiting ahead, or the tenant runs its share of the slots,
-        ``slot_share_reached``) — the first of the running prefills expected to
-        end (``prefill_frees_at``), not when some lease's decode ends nor the asker's own
-        prefill estimate — and/or until KV frees (``kv_bound``: the budget's KV, or the fair
-        share), when the first lease is expected to end. Both: the later. Nothing to wait for
-        (no lease of that kind): 1 s. A tenant that yielded to the waiters ahead is told
+    again: until a prefill slot frees (``slots_bound``: every slot was busy, the slot left
+    went to a tenant waiting ahead, or the tenant runs its share of the slots,
+    ``slot_share_reached``) — the first of the running prefills expected to
+    end (``prefill_frees_at``), not when some lease's decode ends nor the asker's own
+    prefill estimate — and/or until KV frees (``kv_bound``: the budget's KV, or the fair
+    share), when the first lease is expected to end. Both: the later. Nothing to wait for
+    (no lease of that kind): 1 s. A tenant that yielded to the waiters ahead is told
     the later of this and ``yield_wait_ms``."""
     leases = list(leases)
     slot_at = min(
