@@ -384,11 +384,10 @@ def test_overview_shows_p95_latency_from_the_request_log(
     from tests.billing.conftest import request_log_partition
 
     now = timezone.now()
-    request_log_partition(now)
-    request_log_partition(now - timedelta(hours=1))
 
     def log(tenant: Tenant, ttft: float, tpot: float, status: int = 200, ago_s: int = 60) -> None:
         at = now - timedelta(seconds=ago_s)
+        request_log_partition(at)  # its own day's: two hours back may be yesterday (UTC)
         RequestLog.objects.create(
             request_id=uuid.uuid4().hex, started_at=at, tenant_id=tenant.pk,
             api_key_id=uuid.UUID(int=1), model="llama-70b", model_version_id=version_70b.pk,
