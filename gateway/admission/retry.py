@@ -24,16 +24,22 @@ def quota_retry_after_ms(frees_in_ms: float, cfg: AdmissionConfig, rng: random.R
     return jittered_ms(frees_in_ms, width, rng)
 
 
+def _long_context_window(frees_in_ms: float) -> tuple[float, float]:
+    """A long-context 503's retry-after range: from when the budget frees (at least 1 s),
+    plus up to half of that (at least 1 s) of jitter."""
+    return max(frees_in_ms, 1000), max(1000.0, math.ceil(frees_in_ms / 2))
+
+
 def long_context_retry_after_ms(frees_in_ms: float, rng: random.Random) -> int:
-    """503 ``long_context_capacity``: from when the budget frees (at least 1 s), plus up to
-    half of that (at least 1 s) of jitter."""
-    return jittered_ms(max(frees_in_ms, 1000), max(1000.0, frees_in_ms / 2), rng)
+    """503 ``long_context_capacity``: jittered over ``_long_context_window``."""
+    return jittered_ms(*_long_context_window(frees_in_ms), rng)
 
 
 def long_context_retry_latest_ms(frees_in_ms: int) -> int:
     """The latest ``long_context_retry_after_ms`` can ask for (the admit script in
     gateway/admission/quota.py keeps a waiting tenant until then, ``lc_told_latest``)."""
-    return max(frees_in_ms, 1000) + max(1000, math.ceil(frees_in_ms / 2))
+    base, width = _long_context_window(frees_in_ms)
+    return int(base + width)
 
 
 def capacity_retry_after_ms(cfg: AdmissionConfig, rng: random.Random) -> int:
