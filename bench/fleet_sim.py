@@ -216,7 +216,6 @@ class SimResult:
     gave_up: int = 0
     long_refused: int = 0
     long_refused_by: dict[str, int] = field(default_factory=dict)
-    long_admitted_by: dict[str, int] = field(default_factory=dict)
     long_admitted_at: dict[str, list[float]] = field(default_factory=dict)  # admission times
     slow_steps: list[list[SlowStep]] = field(default_factory=list)
 
@@ -836,7 +835,6 @@ class FleetSim:
             gave_up=self.gave_up,
             long_refused=self.long_refused,
             long_refused_by=self.long_refused_by,
-            long_admitted_by=self.ledger.admitted_by,
             long_admitted_at=self.ledger.admitted_at,
             slow_steps=self.slow_steps,
         )

@@ -91,8 +91,12 @@ class LongContextLedger:
     leases: dict[str, tuple[str, int, float]] = field(default_factory=dict)
     waiting: dict[str, float] = field(default_factory=dict)
     served: dict[str, float] = field(default_factory=dict)
-    admitted_by: dict[str, int] = field(default_factory=dict)
     admitted_at: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def admitted_by(self) -> dict[str, int]:
+        """The admissions per tenant."""
+        return {who: len(at) for who, at in self.admitted_at.items()}
 
     def admit(self, tenant: str, lease: str, need: int, prompt: int, now: float) -> bool:
         """Whether the budget admits ``need`` KV bytes (prompt and output growth, as the
@@ -115,7 +119,6 @@ class LongContextLedger:
                                  waiting=self.waiting.keys(), served=self.served,
                                  prefills=prefill_by)  # fmt: skip
         if ok:
-            self.admitted_by[tenant] = self.admitted_by.get(tenant, 0) + 1
             self.admitted_at.setdefault(tenant, []).append(now)
             self.served[tenant] = now
             # The prefill slot is held until the first token (``prefilled``); the bound is
