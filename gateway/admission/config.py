@@ -157,6 +157,18 @@ class AdmissionConfig:
     # runs at once (vLLM's --max-long-partial-prefills, default 1).
     long_context_replica_share: float = 0.25
     long_prefill_slots_per_replica: int = 1
+    # Two tiers of long contexts, as vLLM's --max-num-partial-prefills beside
+    # --max-long-partial-prefills: a "very long" prompt (its expected prefill,
+    # estimates.prefill_expected_seconds, over very_long_prefill_ttft_factor TTFT targets)
+    # takes one of the long_prefill_slots_per_replica; a shorter long context may also take
+    # one of short_long_prefill_slots_per_replica more per designated replica, so a 128k
+    # prefill holding the long slot for ~20 targets does not refuse a neighbour's prompt of
+    # a few targets. 4 targets (~41k tokens on the 70B profile): a lane prompt holds its slot
+    # at most a few seconds, so an ask refused for a busy lane is told one short wait, within
+    # an SDK client's two retries, which a very long prefill outlasts (docs/design.md §7
+    # "Long contexts"). 0 lane slots: one tier, as before.
+    short_long_prefill_slots_per_replica: int = 1
+    very_long_prefill_ttft_factor: float = 4.0
     # A long prefill holds its slot until the request's first token arrives; this multiple
     # of its upper-bound prefill time (estimates.prefill_bound_seconds) is only the safety
     # expiry for a release that never comes (docs/design.md §7 "Long contexts").
@@ -235,6 +247,8 @@ class AdmissionConfig:
             raise ValueError("affinity_tenant_replicas >= 0")
         if self.long_prefill_slots_per_replica < 1 or self.long_context_demand_window_s <= 0:
             raise ValueError("long_prefill_slots_per_replica >= 1, demand window > 0")
+        if self.short_long_prefill_slots_per_replica < 0 or self.very_long_prefill_ttft_factor < 1:
+            raise ValueError("short_long_prefill_slots_per_replica >= 0, very_long factor >= 1")
         if self.long_prefill_hold_factor < 1:
             raise ValueError("long_prefill_hold_factor >= 1")
         if not 0 <= self.long_prefill_attention_share <= 1:

@@ -71,7 +71,11 @@ from gateway.admission.estimates import (
     tokens_estimate,
     tpot_estimate,
 )
-from gateway.admission.long_context import long_context_budget
+from gateway.admission.long_context import (
+    is_very_long,
+    long_context_budget,
+    long_context_lane_slots,
+)
 from gateway.admission.prefix import PrefixQuery
 from gateway.admission.quota import (
     Grant,
@@ -242,6 +246,9 @@ class AdmissionController:
             return None
         shared = sum(1 for r in version.replicas if r.pool != "reserved")
         budget, slots = long_context_budget(version, max(1, shared), plan, cfg)
+        prefill_s = prefill_expected_seconds(
+            req.prompt_tokens_est, version, cfg.long_prefill_attention_share
+        )
         return LongContextAsk(
             cls=plan,
             # what the ceiling check reserves on its replica: the prompt and the output
@@ -253,15 +260,7 @@ class AdmissionController:
             prefill_slots=slots,
             # its expected first token (attention included), recorded in its lease: what a
             # refusal for a full prefill slot is told to wait for while this one runs
-            prefill_ms=max(
-                1,
-                math.ceil(
-                    prefill_expected_seconds(
-                        req.prompt_tokens_est, version, cfg.long_prefill_attention_share
-                    )
-                    * 1000
-                ),
-            ),
+            prefill_ms=max(1, math.ceil(prefill_s * 1000)),
             demand_window_ms=int(cfg.long_context_demand_window_s * 1000),
             # held until the first token (``prefill_done``); this only bounds a lost release
             prefill_hold_ms=max(
@@ -272,6 +271,9 @@ class AdmissionController:
                     * 1000
                 ),
             ),
+            # its tier: a prompt that is not very long may also use the lane's slots
+            very_long=is_very_long(prefill_s, version.ttft_target_ms, cfg),
+            lane_slots=long_context_lane_slots(max(1, shared), cfg),
         )
 
     def output_growth_bytes(self, req: AdmissionRequest) -> int:

@@ -29,6 +29,21 @@ def long_context_budget(
     return kv, n * cfg.long_prefill_slots_per_replica
 
 
+def long_context_lane_slots(shared_replicas: int, cfg: AdmissionConfig) -> int:
+    """The budget's extra prefill slots for long contexts that are not very long: the
+    designated replicas' ``short_long_prefill_slots_per_replica`` (vLLM's
+    ``--max-num-partial-prefills`` less ``--max-long-partial-prefills``)."""
+    return long_context_replicas(shared_replicas, cfg) * cfg.short_long_prefill_slots_per_replica
+
+
+def is_very_long(prefill_expected_s: float, ttft_target_ms: int, cfg: AdmissionConfig) -> bool:
+    """Whether a long context is very long: its expected prefill
+    (``estimates.prefill_expected_seconds``) is over ``very_long_prefill_ttft_factor`` TTFT
+    targets. Only very long ones are limited to the long prefill slots; the others may also
+    use the lane (``long_context_lane_slots``)."""
+    return prefill_expected_s * 1000 > cfg.very_long_prefill_ttft_factor * max(1, ttft_target_ms)
+
+
 def fair_level(budget: int, usage: Mapping[str, int], waiting: Iterable[str], tenant: str) -> float:
     """Max-min fair share of the long-context budget for ``tenant``: it and every waiting
     tenant (refused within the demand window) want more than they hold; the others want
@@ -60,6 +75,11 @@ def long_context_admits(
     prefills: Mapping[str, int] | None = None,
     first_token_at: int | None = None,
     due: Mapping[str, int] | None = None,
+    very_long: bool = True,
+    lane_slots: int = 0,
+    long_prefilling: int | None = None,
+    long_prefills: Mapping[str, int] | None = None,
+    short_waiters: Iterable[str] = (),
 ) -> bool:
     """The long-context budget's decision: the fleet total and the concurrent long
     prefills (``prefilling``; ``prefills``: how many of them each tenant runs) stay within
@@ -69,10 +89,23 @@ def long_context_admits(
     the same waiting tenants; ``slot_share_reached``). When the room left would not cover
     the tenants waiting ahead of this one, it goes to them, least recently served first
     (``yields_to_waiting``; ``first_token_at``: when this ask's first token is expected,
-    ``due``: when each waiting tenant is due back, as the ledger records them)."""
+    ``due``: when each waiting tenant is due back, as the ledger records them).
+
+    Two tiers (vLLM's ``--max-long-partial-prefills`` within ``--max-num-partial-prefills``):
+    the budget runs ``slots + lane_slots`` long prefills in all, of which at most ``slots``
+    very long ones (``very_long``: this ask's tier, ``is_very_long``; ``long_prefilling``
+    and ``long_prefills``: the very long ones running, in all and per tenant; None: every
+    running prefill is very long). A very long ask needs a free slot of both kinds and
+    its share of both; a shorter one only of the total. ``short_waiters``: the waiting
+    tenants whose last refused ask was not very long (the others wait for a long slot).
+    The defaults are the one-tier rule."""
     waiting = set(waiting)
     total = sum(usage.values())
-    if total + need > budget or prefilling >= slots:
+    all_slots = slots + lane_slots
+    long_running = prefilling if long_prefilling is None else long_prefilling
+    long_runs = prefills if long_prefills is None else long_prefills
+    slot_free = prefilling < all_slots and (not very_long or long_running < slots)
+    if total + need > budget or not slot_free:
         return total <= 0
     if yields_to_waiting(
         tenant,
@@ -80,13 +113,20 @@ def long_context_admits(
         served or {},
         usage,
         need=need,
-        slots_left=slots - prefilling - 1,
+        slots_left=all_slots - prefilling - 1,
         kv_left=budget - total - need,
         first_token_at=first_token_at,
         due=due,
+        very_long=very_long,
+        long_slots_left=slots - long_running - int(very_long),
+        short_waiters=short_waiters,
     ):
         return False
-    if slot_share_reached(tenant, slots, prefills or {}, waiting):
+    if slot_share_reached(tenant, all_slots, prefills or {}, waiting):
+        return False
+    if very_long and slot_share_reached(
+        tenant, slots, long_runs or {}, waiting - set(short_waiters)
+    ):
         return False
     mine = usage.get(tenant, 0)
     if mine <= 0:
@@ -144,6 +184,9 @@ def yields_to_waiting(
     kv_left: int,
     first_token_at: int | None = None,
     due: Mapping[str, int] | None = None,
+    very_long: bool = True,
+    long_slots_left: int | None = None,
+    short_waiters: Iterable[str] = (),
 ) -> bool:
     """Whether ``tenant`` must leave the room to the tenants waiting ahead of it (W,
     ``waiting_ahead``): it yields exactly when W is not empty and admitting it would leave
@@ -186,10 +229,32 @@ def yields_to_waiting(
     simulation's sizing probes and its six-heavy-tenant run it never decided an ask (0 of
     ~350 and of 2,915 that reached it; the slot clause refused 0-5 and 2,143): the
     designated replicas' KV holds several 128k requests per prefill slot, so there the slots
-    run short first (bench/results/fleet_sim_isolation_yield.md)."""
+    run short first (bench/results/fleet_sim_isolation_yield.md).
+
+    Tiers (``long_context_admits``): the slot clause compares how many of the waiters
+    ahead the free slots could run before and after this ask (``seatable``;
+    ``long_slots_left``: free very long slots after it, None: ``slots_left``;
+    ``short_waiters``: those waiting for a shorter prompt). With one tier that is the
+    rule above; with two, a shorter ask is not refused for a 128k waiter ahead while only
+    the lane is free (the 128k one could not run there)."""
     ahead = waiting_ahead(tenant, waiting, served, usage)
-    early = len(displaced(ahead, first_token_at, due or {}))
-    return bool(ahead) and (slots_left < early or kv_left < len(ahead) * need)
+    early = displaced(ahead, first_token_at, due or {})
+    short = early & set(short_waiters)
+    long_left = slots_left if long_slots_left is None else long_slots_left
+    before = seatable(len(early - short), len(short), long_left + int(very_long), slots_left + 1)
+    after = seatable(len(early - short), len(short), long_left, slots_left)
+    return bool(ahead) and (after < before or kv_left < len(ahead) * need)
+
+
+def seatable(very_long: int, shorter: int, long_free: int, free: int) -> int:
+    """How many waiters (``very_long`` of them waiting for a very long prompt, ``shorter``
+    for a shorter long context) the free prefill slots can run: ``free`` in all, of which
+    ``long_free`` may take a very long one. An ask yields on the slots exactly when taking
+    its slot lowers this (``yields_to_waiting``): with one tier, when the slots left after
+    it are fewer than the waiters; with two, a shorter ask does not yield to very long
+    waiters that could not run anyway (the long slots are busy), and a very long ask
+    yields to a shorter waiter only for the last slot of all."""
+    return max(0, min(free, shorter + min(very_long, max(0, long_free))))
 
 
 def displaced(ahead: Iterable[str], first_token_at: int | None, due: Mapping[str, int]) -> set[str]:
@@ -235,6 +300,7 @@ class LeaseTimes:
     expected_end: int  # when it is expected to end (its decode at the TPOT estimate)
     admitted: int = -1  # when it was admitted (-1: not recorded)
     first_token_due: int = -1  # when its first token is expected (-1: not recorded)
+    very_long: bool = True  # its tier (a lease recorded without one: very long)
 
 
 def prefill_frees_at(lease: LeaseTimes, now: int) -> int:
@@ -252,7 +318,12 @@ def prefill_frees_at(lease: LeaseTimes, now: int) -> int:
 
 
 def long_context_wait_ms(
-    leases: Iterable[LeaseTimes], now: int, *, slots_bound: bool, kv_bound: bool
+    leases: Iterable[LeaseTimes],
+    now: int,
+    *,
+    slots_bound: bool,
+    kv_bound: bool,
+    long_only: bool = False,
 ) -> int:
     """How long (ms, at least 1 s) a refused long-context ask should wait before asking
     again: until a prefill slot frees (``slots_bound``: every slot was busy, the slot left
@@ -262,10 +333,17 @@ def long_context_wait_ms(
     prefill estimate — and/or until KV frees (``kv_bound``: the budget's KV, or the fair
     share), when the first lease is expected to end. Both: the later. Nothing to wait for
     (no lease of that kind): 1 s. A tenant that yielded to the waiters ahead is told
-    the later of this and ``yield_wait_ms``."""
+    the later of this and ``yield_wait_ms``. ``long_only``: a very long ask refused for
+    the very long slots waits for a very long prefill (a lane prompt ending frees no slot
+    it may take)."""
     leases = list(leases)
     slot_at = min(
-        (prefill_frees_at(x, now) for x in leases if x.prefill_end > now), default=now + 1000
+        (
+            prefill_frees_at(x, now)
+            for x in leases
+            if x.prefill_end > now and (x.very_long or not long_only)
+        ),
+        default=now + 1000,
     )
     kv_at = min((x.expected_end for x in leases), default=now + 1000)
     if slots_bound and kv_bound:

@@ -152,8 +152,10 @@ LONG_READ_INTERVAL_S = 0.25
 # docs/design.md §7 "Long contexts"),
 # each tenant's 'u:<tenant>' and its last admission 's:<tenant>' (ms), each lease's admission
 # record 'p:<lease>' "<the tenant's admission before it>:<admitted ms>:<first token due ms>"
-# (its expected first token: long_context.py's ``LeaseTimes``), each refused tenant's due-back
-# 'd:<tenant>' "<refusal ms + the wait it was told>:<its ask's prefill ms>" (the backfill in
+# (its expected first token: long_context.py's ``LeaseTimes``; ":s" appended when it is not
+# very long, the lane's tier: none, as leases recorded before the tiers, is very long), each
+# refused tenant's due-back 'd:<tenant>' "<refusal ms + the wait it was told>:<its ask's
+# prefill ms>" (":s" likewise for the tier it asked for; the backfill in
 # long_context.py's ``yields_to_waiting``; deleted when it is admitted, and when it is no longer
 # waiting at the next ask), ``e`` the lease
 # deadlines, ``w`` the tenants waiting: refused within the demand window, scored so that an
@@ -217,16 +219,18 @@ end
 -- How long a refused ask waits (ms) before asking again, from the ledger's fields ``all``
 -- (long_context.py's long_context_wait_ms): until a prefill slot frees (slots_bound) — the
 -- first running prefill's expected first token, or once past it a quarter of the time it
--- has run so far again (OVERRUN_DIVISOR), never after its safety expiry — and/or until KV
--- frees (kv_bound), when the first lease is expected to end; both: the later; >= 1 s.
-local function lc_wait(all, now, slots_bound, kv_bound)
-  local leases, times = {}, {}
+-- has run so far again (OVERRUN_DIVISOR), never after its safety expiry; long_only: of the
+-- very long prefills only — and/or until KV frees (kv_bound), when the first lease is
+-- expected to end; both: the later; >= 1 s.
+local function lc_wait(all, now, slots_bound, kv_bound, long_only)
+  local leases, times, lane = {}, {}, {}
   for i = 1, #all, 2 do
     local f, v = all[i], all[i + 1]
     local kind = string.sub(f, 1, 2)
     if kind == 'p:' then
-      local at, due = string.match(v, '^%-?%d+:(%d+):(%d+)$')
+      local at, due, tier = string.match(v, '^%-?%d+:(%d+):(%d+)(.*)$')
       if due then times[string.sub(f, 3)] = {tonumber(at), tonumber(due)} end
+      if tier == ':s' then lane[string.sub(f, 3)] = true end
     elseif f ~= '#' and kind ~= 'u:' and kind ~= 's:' and kind ~= 'd:' then
       local pe, en = string.match(v, '^%d+:(%d+):(%d+):')
       leases[f] = {tonumber(pe), tonumber(en)}
@@ -236,7 +240,7 @@ local function lc_wait(all, now, slots_bound, kv_bound)
   for id, x in pairs(leases) do
     local pe, en = x[1], x[2]
     if not kv_at or en < kv_at then kv_at = en end
-    if pe > now then
+    if pe > now and not (long_only and lane[id]) then
       local at, t = pe, times[id]
       if t and t[2] > now then
         at = t[2]
@@ -289,10 +293,11 @@ end
 -- KV in flight and concurrent long prefills, shared max-min fairly among the tenants that
 -- asked within the demand window. nil: admit; otherwise the wait (ms) before asking again
 -- (``lc_wait``). ``prefill_ms``: the ask's expected prefill (its first token's estimate).
-local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total, prefill_ms)
+local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total, prefill_ms,
+                          lane, very_long)
   local all = redis.call('HGETALL', l)
   local usage, served, prefilling = {}, {}, 0
-  local prefills, due = {}, {}
+  local prefills, due, running, lane_lease = {}, {}, {}, {}
   for i = 1, #all, 2 do
     local f, v = all[i], all[i + 1]
     local kind = string.sub(f, 1, 2)
@@ -301,15 +306,26 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
     elseif kind == 's:' then
       served[string.sub(f, 3)] = tonumber(v)
     elseif kind == 'd:' then
-      local at, pf = string.match(v, '^(%-?%d+):(%d+)$')
-      if at then due[string.sub(f, 3)] = {tonumber(at), tonumber(pf)} end
-    elseif f ~= '#' and kind ~= 'p:' then
+      local at, pf, tier = string.match(v, '^(%-?%d+):(%d+)(.*)$')
+      if at then due[string.sub(f, 3)] = {tonumber(at), tonumber(pf), tier == ':s'} end
+    elseif kind == 'p:' then
+      if string.sub(v, -2) == ':s' then lane_lease[string.sub(f, 3)] = true end
+    elseif f ~= '#' then
       local _, pe = string.match(v, '^(%d+):(%d+):')
       if tonumber(pe) > now then
         prefilling = prefilling + 1
         local who = string.match(v, '^%d+:%d+:%d+:(.*)$')  -- its long prefills (slot share)
         prefills[who] = (prefills[who] or 0) + 1
+        table.insert(running, {f, who})
       end
+    end
+  end
+  -- the very long prefills among them (a lease without a tier recorded is very long)
+  local long_prefilling, long_prefills = 0, {}
+  for _, r in ipairs(running) do
+    if not lane_lease[r[1]] then
+      long_prefilling = long_prefilling + 1
+      long_prefills[r[2]] = (long_prefills[r[2]] or 0) + 1
     end
   end
   redis.call('ZREMRANGEBYSCORE', w, '-inf', now - window)
@@ -327,27 +343,46 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
   -- requests of its size. Backfill: the slot clause counts only those due back ('d:') no
   -- later than the ask's expected first token (absent: due now); its slot is free again by
   -- then. ``back``: when the last of them is due back and through its prefill (yield_wait_ms)
+  -- Tiers: ``lane`` more slots in all for asks that are not very long; the slot clause
+  -- yields when taking a slot lowers how many of those ahead the free slots could run
+  -- (long_context.py's seatable: the very long ones only in the very long slots).
   local last = served[tenant] or -1
-  local ahead, early, back = 0, 0, now
+  local ahead, early, early_short, back = 0, 0, 0, now
   local first_token = now + prefill_ms
+  local long_waiting = {}  -- the waiters for a very long prompt (for its slot share)
   for who, _ in pairs(waiting) do
+    local d = due[who]
+    if not (d and d[3]) then long_waiting[who] = true end
     if who ~= tenant and (served[who] or -1) < last and (usage[who] or 0) <= mine then
       ahead = ahead + 1
-      local d = due[who]
-      if not d or d[1] <= first_token then early = early + 1 end
+      if not d or d[1] <= first_token then
+        early = early + 1
+        if d and d[3] then early_short = early_short + 1 end
+      end
       if d then back = math.max(back, d[1] + d[2]) end
     end
   end
-  local yields = ahead > 0 and (slots - prefilling - 1 < early
-                                or budget - total - need < ahead * need)
-  if total + need > budget or prefilling >= slots then
+  local all_slots = slots + lane
+  local vl = very_long and 1 or 0
+  local function seatable(long_free, free)
+    return math.max(0, math.min(free, early_short
+                                      + math.min(early - early_short, math.max(0, long_free))))
+  end
+  local slots_left, long_left = all_slots - prefilling - 1, slots - long_prefilling - vl
+  local slot_yield = seatable(long_left, slots_left) < seatable(long_left + vl, slots_left + 1)
+  local yields = ahead > 0 and (slot_yield or budget - total - need < ahead * need)
+  local long_full = very_long and long_prefilling >= slots
+  if total + need > budget or prefilling >= all_slots or long_full then
     refuse = total > 0  -- an empty budget runs any one request, alone
   elseif yields then
     refuse = true
   elseif (prefills[tenant] or 0) > 0
-         and prefills[tenant] + 1 > lc_level(prefills, waiting, tenant, slots) then
+         and prefills[tenant] + 1 > lc_level(prefills, waiting, tenant, all_slots) then
     refuse, share = true, true  -- past its max-min share of the prefill slots
                                 -- (slot_share_reached)
+  elseif very_long and (long_prefills[tenant] or 0) > 0
+         and long_prefills[tenant] + 1 > lc_level(long_prefills, long_waiting, tenant, slots) then
+    refuse, share = true, true  -- past its share of the very long slots
   elseif mine > 0 then
     refuse = mine + need > lc_level(usage, waiting, tenant, budget)
   end
@@ -355,9 +390,9 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
   -- a slot refusal (every slot busy, the one left goes to a tenant waiting ahead, or the
   -- tenant runs its share of them) waits for a prefill to end, not for some lease's
   -- decode; any other for KV to free
-  local slots_bound = prefilling >= slots or share
-                      or (yields and slots - prefilling - 1 < early)
-  local wait = lc_wait(all, now, slots_bound, not slots_bound or total + need > budget)
+  local slots_bound = prefilling >= all_slots or long_full or share or (yields and slot_yield)
+  local wait = lc_wait(all, now, slots_bound, not slots_bound or total + need > budget,
+                       long_full)
   -- a yield: when the room is expected for it (long_context.py's yield_wait_ms)
   if yields then wait = math.max(wait, back - now) end
   -- waiting (long_context.py's waiting_score): a tenant holding none of the budget until
@@ -370,12 +405,13 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
   if redis.call('PTTL', w) < ttl then redis.call('PEXPIRE', w, ttl) end
   -- when it is due back at the earliest (its told wait before jitter), for the backfill;
   -- the ledger lives at least as long as the waiting entry
-  redis.call('HSET', l, 'd:' .. tenant, (now + math.ceil(wait)) .. ':' .. math.floor(prefill_ms))
+  redis.call('HSET', l, 'd:' .. tenant, (now + math.ceil(wait)) .. ':' .. math.floor(prefill_ms)
+                                        .. (very_long and '' or ':s'))
   if redis.call('PTTL', l) < ttl then redis.call('PEXPIRE', l, ttl) end
   return wait
 end
 local function lc_charge(l, e, w, now, rid, tenant, need, hold_ms, expected_ms, lease_ms,
-                         prefill_ms)
+                         prefill_ms, very_long)
   redis.call('HSET', l, rid,
              need .. ':' .. (now + hold_ms) .. ':' .. (now + expected_ms) .. ':' .. tenant)
   redis.call('HINCRBY', l, '#', need)
@@ -383,7 +419,8 @@ local function lc_charge(l, e, w, now, rid, tenant, need, hold_ms, expected_ms, 
   -- its last admission (yields_to_waiting), and the one before for lc_unserve
   local prev = redis.call('HGET', l, 's:' .. tenant) or '-1'
   redis.call('HSET', l, 's:' .. tenant, now)
-  redis.call('HSET', l, 'p:' .. rid, prev .. ':' .. now .. ':' .. (now + prefill_ms))
+  redis.call('HSET', l, 'p:' .. rid, prev .. ':' .. now .. ':' .. (now + prefill_ms)
+                                     .. (very_long and '' or ':s'))  -- its tier
   redis.call('ZADD', e, now + lease_ms, rid)
   redis.call('ZREM', w, tenant)
   redis.call('HDEL', l, 'd:' .. tenant)
@@ -395,7 +432,8 @@ end
 # The long-context ledger alone, on its own slot (Redis Cluster; see the module doc).
 # ARGV: 'claim', lease id, tenant, need (0: only read the total), budget, prefill slots,
 # prefill ms (its expected first token, LongContextAsk.prefill_ms), demand window ms, lease
-# ms, expected ms, reclaim limit, prefill hold ms (the safety expiry; absent: prefill ms)
+# ms, expected ms, reclaim limit, prefill hold ms (the safety expiry; absent: prefill ms),
+# lane slots (absent: 0), very long (1/0; absent: 1)
 # -> {admitted, wait ms, KV in flight after the call, reclaimed}; or 'release', lease id,
 # never ran (1/0: see lc_unserve) -> released (0/1); or 'prefilled', lease id (its first
 # token arrived: lc_prefilled) -> released a slot (0/1).
@@ -414,14 +452,15 @@ local tenant, need, budget = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local slots, prefill_ms, window = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local lease_ms, expected_ms, limit = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local hold_ms = tonumber(ARGV[12] or ARGV[7])
+local lane, very_long = tonumber(ARGV[13] or '0'), ARGV[14] ~= '0'
 local reclaimed = lc_reclaim(KEYS[1], KEYS[2], now, limit)
 local total = tonumber(redis.call('HGET', KEYS[1], '#') or '0')
 if need > 0 then
   local wait = lc_refusal(KEYS[1], KEYS[3], now, tenant, need, budget, slots, window, total,
-                          prefill_ms)
+                          prefill_ms, lane, very_long)
   if wait then return {0, math.ceil(wait), total, reclaimed} end
   lc_charge(KEYS[1], KEYS[2], KEYS[3], now, rid, tenant, need, hold_ms, expected_ms, lease_ms,
-            prefill_ms)
+            prefill_ms, very_long)
   total = total + need
 end
 return {1, 0, total, reclaimed}
@@ -447,6 +486,8 @@ local lc_need, lc_budget, lc_slots = tonumber(ARGV[16] or '0'), tonumber(ARGV[17
 local lc_prefill_ms, lc_window = tonumber(ARGV[19] or '0'), tonumber(ARGV[20] or '0')
 -- the prefill slot's safety expiry (held until the first token: LONG_CONTEXT_LUA 'prefilled')
 local lc_hold_ms = tonumber(ARGV[21] or ARGV[19] or '0')
+-- its tier: the lane's extra prefill slots, and whether it is very long (1/0)
+local lc_lane, lc_very_long = tonumber(ARGV[22] or '0') or 0, ARGV[23] ~= '0'
 
 -- == per-key limits: the section's header (see the module doc, "Per-key limits") =========
 -- The API key's own section is always the TAIL of the call, so the layout above keeps its
@@ -607,7 +648,7 @@ end
 -- ledger's total for placement)
 if lc and lc_need > 0 then
   local wait = lc_refusal(KEYS[5], KEYS[7], now, tenant, lc_need, lc_budget, lc_slots,
-                          lc_window, lc_total, lc_prefill_ms)
+                          lc_window, lc_total, lc_prefill_ms, lc_lane, lc_very_long)
   if wait then return deny(5, wait) end
 end
 
@@ -656,7 +697,7 @@ end
 redis.call('HSET', KEYS[2], '#r' .. (idx % 6), counted(tslots))
 if lc and lc_need > 0 then
   lc_charge(KEYS[5], KEYS[6], KEYS[7], now, rid, tenant, lc_need, lc_hold_ms, expected_ms,
-            lease_ms, lc_prefill_ms)
+            lease_ms, lc_prefill_ms, lc_very_long)
   lc_total = lc_total + lc_need
 end
 -- == per-key limits: charge the key's bucket and take a slot of its in-flight count =======
@@ -969,6 +1010,10 @@ class LongContextAsk:
     # arrives (``Limiter.prefill_done``); this expiry only bounds a release that never
     # comes (a failed call). 0: ``prefill_ms``.
     prefill_hold_ms: int = 0
+    # Its tier (long_context.py's ``long_context_admits``): a very long prompt takes one of
+    # ``prefill_slots``; a shorter one may also take one of ``lane_slots`` more.
+    very_long: bool = True
+    lane_slots: int = 0
 
     @property
     def hold_ms(self) -> int:
@@ -1270,11 +1315,13 @@ class Limiter:
                 q.long.prefill_ms,
                 q.long.demand_window_ms,
                 q.long.hold_ms,
+                q.long.lane_slots,
+                int(q.long.very_long),
             ]
         elif q.read_long:
             lc = long_context_tag(q.version)
             keys += [f"{lc}:l", f"{lc}:e", f"{lc}:w"]
-            args += [q.tenant_id, 0, 0, 0, 0, 0, 0]
+            args += [q.tenant_id, 0, 0, 0, 0, 0, 0, 0, 1]
         # Per-key limits: the key's section goes last (ADMIT_LUA reads it from the tail).
         if q.key_id:
             keys.append(key_tag(q.tenant_id, q.family, q.key_id))
@@ -1390,6 +1437,8 @@ class Limiter:
                 q.expected_ms,
                 RECLAIM_PER_ADMIT,
                 ask.hold_ms,
+                ask.lane_slots,
+                int(ask.very_long),
             )
             try:
                 res = await self._eval(self._long_lua, (f"{lc}:l", f"{lc}:e", f"{lc}:w"), args)
