@@ -1507,14 +1507,17 @@ class Limiter:
     def _long_full_locally(self, q: QuotaRequest) -> bool:
         """Without the ledger's store this process may hold ``local_kv_fraction`` of the
         budget and of its prefill slots (one request, one prefill at a time when that is
-        less than one); a prefill holds its slot until its first token, as in the ledger."""
+        less than one); a prefill holds its slot until its first token, as in the ledger.
+        The tiers are not told apart here: every prefill counts against the very long
+        slots, and an ask that is not very long may also use the lane's (fails closed)."""
         assert q.long is not None
         tag = long_context_tag(q.version)
         held = self._local_long.get(tag, {})
         share = q.long.budget_bytes * self._cfg.local_kv_fraction
         if held and sum(held.values()) + q.long.kv_bytes > share:
             return True
-        slots = max(1, int(q.long.prefill_slots * self._cfg.local_kv_fraction))
+        lane = 0 if q.long.very_long else q.long.lane_slots
+        slots = max(1, int((q.long.prefill_slots + lane) * self._cfg.local_kv_fraction))
         return prefilling(self._local_prefill.get(tag, {}), time.monotonic()) >= slots
 
     def _hold_long_locally(self, q: QuotaRequest, lease_id: str) -> None:

@@ -22,6 +22,7 @@ from gateway.admission import long_context
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.estimates import prefill_expected_seconds
 from gateway.admission.quota import LEDGER_LUA, Grant, Limiter, QuotaRequest, long_context_tag
+from gateway.redis_client import connect
 from tests.admission.test_long_context_budget import (
     BUDGET,
     GIB,
@@ -445,3 +446,18 @@ async def test_script_waits_for_the_tier_as_the_pure_rule(
     )
     assert int(got) == expect
     await aredis.delete(key)
+
+
+async def test_without_the_store_a_shorter_prompt_may_use_the_lane() -> None:
+    """The local fallback's share of the slots (0.25): of 4 very long slots one, of those
+    and 4 lane slots two; it does not tell the tiers of the running prefills apart (each
+    counts against the very long slots), so it never admits more than the ledger would."""
+    dead = connect("redis://127.0.0.1:1/0", timeout_s=0.2)
+    lim = Limiter(dead, AdmissionConfig(local_kv_fraction=0.25))
+    ask = {"slots": 4, "lane": 4, "gib": 1, "prefill_ms": 1, "hold_ms": 600_000}
+    assert (await lim.admit(tq("a", very_long=True, **ask))).admitted
+    refused = await lim.admit(tq("b", very_long=True, **ask))
+    assert not refused.admitted and refused.degraded and refused.long_context_full
+    assert (await lim.admit(tq("b", very_long=False, **ask))).admitted
+    assert not (await lim.admit(tq("c", very_long=False, **ask))).admitted
+    await dead.aclose()
