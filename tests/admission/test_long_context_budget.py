@@ -12,7 +12,7 @@ import asyncio
 import random
 from collections import Counter
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio as aioredis
@@ -683,6 +683,34 @@ async def test_a_short_request_reads_the_ledger_without_claiming(aredis: aioredi
 SETTLES = ("", "first", "own")  # after an ask: no settle, the oldest lease's, the asker's own
 LONG = 60_000
 PREFILLS = (1, 3_000, LONG)  # an ask's expected prefill (ms): before, near, after due-backs
+Held = TypeVar("Held", bound=tuple[Any, ...])
+
+
+def ask_ops(*more: st.SearchStrategy[Any]) -> st.SearchStrategy[list[tuple[Any, ...]]]:
+    """Sequences of asks: (tenant, GiB, what to settle after it, expected prefill ms, *more)."""
+    ask = st.tuples(
+        st.sampled_from("abcd"),
+        st.integers(1, 40),
+        st.sampled_from(SETTLES),
+        st.sampled_from(PREFILLS),
+        *more,
+    )
+    return st.lists(ask, min_size=1, max_size=40)
+
+
+async def settle_after(
+    lim: Limiter, grants: list[Held], usage: dict[str, int], tenant: str, settle: str
+) -> None:
+    """After ``tenant``'s ask: settle nothing, the oldest lease or the tenant's own oldest
+    (``SETTLES``); ``grants``: (tenant, GiB, grant, ...) in admission order."""
+    mine = [i for i, held in enumerate(grants) if held[0] == tenant]
+    pick = {"first": [0] if grants else [], "own": mine[:1]}.get(settle, [])
+    if pick:
+        who, g, grant = grants.pop(pick[0])[:3]
+        await lim.settle(grant, actual_tokens=0, refund_request=False)
+        usage[who] -= g * GIB
+        if not usage[who]:
+            del usage[who]
 
 
 def _text(k: bytes | str) -> str:
@@ -725,19 +753,7 @@ async def _admits_as_the_rule(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
-@given(
-    st.lists(
-        st.tuples(
-            st.sampled_from("abcd"),
-            st.integers(1, 40),
-            st.sampled_from(SETTLES),
-            st.sampled_from(PREFILLS),
-        ),
-        min_size=1,
-        max_size=40,
-    ),
-    st.integers(1, 6),
-)
+@given(ask_ops(), st.integers(1, 6))
 # a waiter that runs fewer long prefills than the asker but was served after it: the
 # asker's max-min share of the prefill slots, not the served order, decides the last slot
 @example(
@@ -787,14 +803,7 @@ async def test_script_decides_as_the_pure_rule(
             waiting.discard(tenant)
         else:
             waiting.add(tenant)
-        mine = [i for i, (who, _, _) in enumerate(grants) if who == tenant]
-        pick = {"first": [0] if grants else [], "own": mine[:1]}.get(settle, [])
-        if pick:
-            who, g, grant = grants.pop(pick[0])
-            await lim.settle(grant, actual_tokens=0, refund_request=False)
-            usage[who] -= g * GIB
-            if not usage[who]:
-                del usage[who]
+        await settle_after(lim, grants, usage, tenant, settle)
     await lim.aclose()
 
 

@@ -27,15 +27,15 @@ from tests.admission.test_long_context_budget import (
     BUDGET,
     GIB,
     LONG,
-    PREFILLS,
-    SETTLES,
     T0,
     TENANTS,
     _admits_as_the_rule,
     _store_ms,
     _text,
+    ask_ops,
     lease,
     q,
+    settle_after,
 )
 
 TAG = long_context_tag("fam-v1")
@@ -306,21 +306,7 @@ async def test_a_lease_recorded_without_a_tier_counts_as_very_long(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
-@given(
-    st.lists(
-        st.tuples(
-            st.sampled_from("abcd"),
-            st.integers(1, 40),
-            st.sampled_from(SETTLES),
-            st.sampled_from(PREFILLS),
-            st.booleans(),
-        ),
-        min_size=1,
-        max_size=40,
-    ),
-    st.integers(1, 3),
-    st.integers(0, 2),
-)
+@given(ask_ops(st.booleans()), st.integers(1, 3), st.integers(0, 2))
 # c is served; a's 128k prompt takes the only very long slot; b's is refused (b, never
 # served, is ahead of c and due back before c's first token); c's shorter prompt takes the
 # lane. The one-tier script refused it (every slot busy), as would a lane whose turn order
@@ -392,14 +378,7 @@ async def test_script_decides_both_tiers_as_the_pure_rule(
                 short_waiters.discard(tenant)
             else:
                 short_waiters.add(tenant)
-        mine = [i for i, g in enumerate(grants) if g[0] == tenant]
-        pick = {"first": [0] if grants else [], "own": mine[:1]}.get(settle, [])
-        if pick:
-            who, g, grant, _ = grants.pop(pick[0])
-            await lim.settle(grant, actual_tokens=0, refund_request=False)
-            usage[who] -= g * GIB
-            if not usage[who]:
-                del usage[who]
+        await settle_after(lim, grants, usage, tenant, settle)
     await lim.aclose()
 
 
