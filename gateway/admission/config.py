@@ -169,6 +169,11 @@ class AdmissionConfig:
     # "Long contexts"). 0 lane slots: one tier, as before.
     short_long_prefill_slots_per_replica: int = 1
     very_long_prefill_ttft_factor: float = 4.0
+    # The share of a replica step's token budget one prefill may take: vLLM's
+    # --long-prefill-token-threshold over max_num_batched_tokens (5,242 / 8,192 in the
+    # platform's replica command, 655 / 1,024 in the benches). A lane prompt beside a very
+    # long prefill gets the rest of each step (long_context.lane_prefill_seconds).
+    long_prefill_step_share: float = 0.64
     # A long prefill holds its slot until the request's first token arrives; this multiple
     # of its upper-bound prefill time (estimates.prefill_bound_seconds) is only the safety
     # expiry for a release that never comes (docs/design.md §7 "Long contexts").
@@ -249,6 +254,8 @@ class AdmissionConfig:
             raise ValueError("long_prefill_slots_per_replica >= 1, demand window > 0")
         if self.short_long_prefill_slots_per_replica < 0 or self.very_long_prefill_ttft_factor < 1:
             raise ValueError("short_long_prefill_slots_per_replica >= 0, very_long factor >= 1")
+        if not 0 < self.long_prefill_step_share < 1:
+            raise ValueError("0 < long_prefill_step_share < 1")
         if self.long_prefill_hold_factor < 1:
             raise ValueError("long_prefill_hold_factor >= 1")
         if not 0 <= self.long_prefill_attention_share <= 1:

@@ -73,6 +73,7 @@ from gateway.admission.estimates import (
 )
 from gateway.admission.long_context import (
     is_very_long,
+    lane_prefill_seconds,
     long_context_budget,
     long_context_lane_slots,
 )
@@ -249,6 +250,9 @@ class AdmissionController:
         prefill_s = prefill_expected_seconds(
             req.prompt_tokens_est, version, cfg.long_prefill_attention_share
         )
+        very_long = is_very_long(prefill_s, version.ttft_target_ms, cfg)
+        # a lane prompt beside a very long prefill runs in what that one leaves of each step
+        beside_s = 0.0 if very_long else lane_prefill_seconds(req.prompt_tokens_est, version, cfg)
         return LongContextAsk(
             cls=plan,
             # what the ceiling check reserves on its replica: the prompt and the output
@@ -267,13 +271,14 @@ class AdmissionController:
                 1,
                 math.ceil(
                     cfg.long_prefill_hold_factor
-                    * prefill_bound_seconds(req.prompt_tokens_est, version)
+                    * max(prefill_bound_seconds(req.prompt_tokens_est, version), beside_s)
                     * 1000
                 ),
             ),
             # its tier: a prompt that is not very long may also use the lane's slots
-            very_long=is_very_long(prefill_s, version.ttft_target_ms, cfg),
+            very_long=very_long,
             lane_slots=long_context_lane_slots(max(1, shared), cfg),
+            prefill_beside_ms=math.ceil(beside_s * 1000),
         )
 
     def output_growth_bytes(self, req: AdmissionRequest) -> int:

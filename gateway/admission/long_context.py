@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from contracts.schema import ModelVersionRecord as ModelVersionLike
 from gateway.admission.classes import occupancy_ceiling
 from gateway.admission.config import AdmissionConfig, EffectiveClass
+from gateway.admission.estimates import prefill_expected_seconds
 from gateway.admission.placement import long_context_replicas
 from gateway.admission.retry import long_context_retry_latest_ms
 
@@ -42,6 +43,25 @@ def is_very_long(prefill_expected_s: float, ttft_target_ms: int, cfg: AdmissionC
     targets. Only very long ones are limited to the long prefill slots; the others may also
     use the lane (``long_context_lane_slots``)."""
     return prefill_expected_s * 1000 > cfg.very_long_prefill_ttft_factor * max(1, ttft_target_ms)
+
+
+def lane_prefill_seconds(
+    prompt_tokens: int, version: ModelVersionLike, cfg: AdmissionConfig
+) -> float:
+    """How long a lane prompt's prefill is expected to take beside a very long prefill on
+    the same replica. The very long one takes its cap of every step
+    (``long_prefill_step_share`` of the budget) and its chunk, attending over a long
+    context, sets the step's length; the lane prompt gets the rest of the step. So it
+    advances ``(1 - share) / share`` tokens per token of the very long one, at the very
+    long one's pace (a context-length prompt's expected prefill per token). Alone it would
+    take a fraction of that: in the noisy-neighbour bench 13-32k prompts beside a 128k
+    prefill reached their first token after 2-14 s (model time) against 1-3 s alone, and a
+    refusal for the busy lane told the lone estimate ran out of retries
+    (bench/results/nn_lane/README.md)."""
+    ctx = max(1, version.context_length)
+    pace = prefill_expected_seconds(ctx, version, cfg.long_prefill_attention_share) / ctx
+    share = cfg.long_prefill_step_share
+    return max(0, prompt_tokens) * pace * share / (1 - share)
 
 
 def fair_level(budget: int, usage: Mapping[str, int], waiting: Iterable[str], tenant: str) -> float:

@@ -294,7 +294,7 @@ end
 -- asked within the demand window. nil: admit; otherwise the wait (ms) before asking again
 -- (``lc_wait``). ``prefill_ms``: the ask's expected prefill (its first token's estimate).
 local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total, prefill_ms,
-                          lane, very_long)
+                          lane, very_long, beside_ms)
   local all = redis.call('HGETALL', l)
   local usage, served, prefilling = {}, {}, 0
   local prefills, due, running, lane_lease = {}, {}, {}, {}
@@ -346,6 +346,11 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
   -- Tiers: ``lane`` more slots in all for asks that are not very long; the slot clause
   -- yields when taking a slot lowers how many of those ahead the free slots could run
   -- (long_context.py's seatable: the very long ones only in the very long slots).
+  -- a shorter ask beside a running very long prefill: its first token is expected later
+  -- (LongContextAsk.prefill_beside_ms), for the backfill, its due-back and its lease
+  if not very_long and long_prefilling > 0 then
+    prefill_ms = math.max(prefill_ms, beside_ms or 0)
+  end
   local last = served[tenant] or -1
   local ahead, early, early_short, back = 0, 0, 0, now
   local first_token = now + prefill_ms
@@ -386,7 +391,7 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
   elseif mine > 0 then
     refuse = mine + need > lc_level(usage, waiting, tenant, budget)
   end
-  if not refuse then return nil end
+  if not refuse then return nil, prefill_ms end
   -- a slot refusal (every slot busy, the one left goes to a tenant waiting ahead, or the
   -- tenant runs its share of them) waits for a prefill to end, not for some lease's
   -- decode; any other for KV to free
@@ -433,7 +438,8 @@ end
 # ARGV: 'claim', lease id, tenant, need (0: only read the total), budget, prefill slots,
 # prefill ms (its expected first token, LongContextAsk.prefill_ms), demand window ms, lease
 # ms, expected ms, reclaim limit, prefill hold ms (the safety expiry; absent: prefill ms),
-# lane slots (absent: 0), very long (1/0; absent: 1)
+# lane slots (absent: 0), very long (1/0; absent: 1), prefill ms beside a very long prefill
+# (LongContextAsk.prefill_beside_ms; absent: 0)
 # -> {admitted, wait ms, KV in flight after the call, reclaimed}; or 'release', lease id,
 # never ran (1/0: see lc_unserve) -> released (0/1); or 'prefilled', lease id (its first
 # token arrived: lc_prefilled) -> released a slot (0/1).
@@ -453,14 +459,15 @@ local slots, prefill_ms, window = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber
 local lease_ms, expected_ms, limit = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local hold_ms = tonumber(ARGV[12] or ARGV[7])
 local lane, very_long = tonumber(ARGV[13] or '0'), ARGV[14] ~= '0'
+local beside_ms = tonumber(ARGV[15] or '0')
 local reclaimed = lc_reclaim(KEYS[1], KEYS[2], now, limit)
 local total = tonumber(redis.call('HGET', KEYS[1], '#') or '0')
 if need > 0 then
-  local wait = lc_refusal(KEYS[1], KEYS[3], now, tenant, need, budget, slots, window, total,
-                          prefill_ms, lane, very_long)
+  local wait, eff_ms = lc_refusal(KEYS[1], KEYS[3], now, tenant, need, budget, slots, window,
+                                  total, prefill_ms, lane, very_long, beside_ms)
   if wait then return {0, math.ceil(wait), total, reclaimed} end
   lc_charge(KEYS[1], KEYS[2], KEYS[3], now, rid, tenant, need, hold_ms, expected_ms, lease_ms,
-            prefill_ms, very_long)
+            eff_ms, very_long)
   total = total + need
 end
 return {1, 0, total, reclaimed}
@@ -488,6 +495,7 @@ local lc_prefill_ms, lc_window = tonumber(ARGV[19] or '0'), tonumber(ARGV[20] or
 local lc_hold_ms = tonumber(ARGV[21] or ARGV[19] or '0')
 -- its tier: the lane's extra prefill slots, and whether it is very long (1/0)
 local lc_lane, lc_very_long = tonumber(ARGV[22] or '0') or 0, ARGV[23] ~= '0'
+local lc_beside_ms = tonumber(ARGV[24] or '0') or 0
 
 -- == per-key limits: the section's header (see the module doc, "Per-key limits") =========
 -- The API key's own section is always the TAIL of the call, so the layout above keeps its
@@ -647,8 +655,10 @@ end
 -- 3b. the fleet's long-context budget (a request with no claim, lc_need 0, only reads the
 -- ledger's total for placement)
 if lc and lc_need > 0 then
-  local wait = lc_refusal(KEYS[5], KEYS[7], now, tenant, lc_need, lc_budget, lc_slots,
-                          lc_window, lc_total, lc_prefill_ms, lc_lane, lc_very_long)
+  local wait, eff_ms = lc_refusal(KEYS[5], KEYS[7], now, tenant, lc_need, lc_budget, lc_slots,
+                                  lc_window, lc_total, lc_prefill_ms, lc_lane, lc_very_long,
+                                  lc_beside_ms)
+  lc_prefill_ms = eff_ms
   if wait then return deny(5, wait) end
 end
 
@@ -1014,6 +1024,10 @@ class LongContextAsk:
     # ``prefill_slots``; a shorter one may also take one of ``lane_slots`` more.
     very_long: bool = True
     lane_slots: int = 0
+    # A shorter ask admitted while a very long prefill runs: its expected first token then
+    # (long_context.lane_prefill_seconds; 0: ``prefill_ms``), what its lease records and
+    # its backfill counts with.
+    prefill_beside_ms: int = 0
 
     @property
     def hold_ms(self) -> int:
@@ -1317,11 +1331,12 @@ class Limiter:
                 q.long.hold_ms,
                 q.long.lane_slots,
                 int(q.long.very_long),
+                q.long.prefill_beside_ms,
             ]
         elif q.read_long:
             lc = long_context_tag(q.version)
             keys += [f"{lc}:l", f"{lc}:e", f"{lc}:w"]
-            args += [q.tenant_id, 0, 0, 0, 0, 0, 0, 0, 1]
+            args += [q.tenant_id, 0, 0, 0, 0, 0, 0, 0, 1, 0]
         # Per-key limits: the key's section goes last (ADMIT_LUA reads it from the tail).
         if q.key_id:
             keys.append(key_tag(q.tenant_id, q.family, q.key_id))
@@ -1439,6 +1454,7 @@ class Limiter:
                 ask.hold_ms,
                 ask.lane_slots,
                 int(ask.very_long),
+                ask.prefill_beside_ms,
             )
             try:
                 res = await self._eval(self._long_lua, (f"{lc}:l", f"{lc}:e", f"{lc}:w"), args)

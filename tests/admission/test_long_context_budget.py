@@ -728,7 +728,11 @@ async def _ledger_order(aredis: aioredis.Redis) -> tuple[dict[str, int], dict[st
 
 
 async def _admits_as_the_rule(
-    aredis: aioredis.Redis, lim: Limiter, req: QuotaRequest, **ledger: Any
+    aredis: aioredis.Redis,
+    lim: Limiter,
+    req: QuotaRequest,
+    prefill_ms: int | None = None,
+    **ledger: Any,
 ) -> QuotaDecision:
     """Asks the script and checks it against ``long_context_admits`` on ``ledger`` with the
     due-backs the script recorded and the ask's expected first token at the store's clock
@@ -740,7 +744,10 @@ async def _admits_as_the_rule(
     after = await _store_ms(aredis)
     expect = {
         long_context.long_context_admits(
-            served=served, due=due, first_token_at=now + req.long.prefill_ms, **ledger
+            served=served,
+            due=due,
+            first_token_at=now + (req.long.prefill_ms if prefill_ms is None else prefill_ms),
+            **ledger,
         )
         for now in (before, after)
     }

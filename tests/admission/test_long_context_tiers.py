@@ -41,11 +41,15 @@ from tests.admission.test_long_context_budget import (
 TAG = long_context_tag("fam-v1")
 
 
-def tq(tenant: str, *, very_long: bool, slots: int = 1, lane: int = 1, **kw: int) -> QuotaRequest:
-    """``q`` with its tier: the budget's ``slots`` very long slots and ``lane`` more."""
+def tq(
+    tenant: str, *, very_long: bool, slots: int = 1, lane: int = 1, beside: int = 0, **kw: int
+) -> QuotaRequest:
+    """``q`` with its tier: the budget's ``slots`` very long slots and ``lane`` more
+    (``beside``: its expected prefill beside a very long one, ms)."""
     req = q(tenant, prefill_slots=slots, **kw)
     assert req.long is not None
-    return replace(req, long=replace(req.long, very_long=very_long, lane_slots=lane))
+    ask = replace(req.long, very_long=very_long, lane_slots=lane, prefill_beside_ms=beside)
+    return replace(req, long=ask)
 
 
 # -- the pure rule -------------------------------------------------------------------------
@@ -339,11 +343,14 @@ async def test_script_decides_both_tiers_as_the_pure_rule(
     short_waiters: set[str] = set()
     grants: list[tuple[str, int, Grant, bool]] = []
     for tenant, gib, settle, prefill, very_long in ops:
+        # a shorter ask beside a very long prefill is expected to take 3 x as long
+        beside = sum(1 for g in grants if g[3]) > 0 and not very_long
         req = tq(
             tenant,
             very_long=very_long,
             slots=slots,
             lane=lane,
+            beside=3 * prefill,
             gib=gib,
             prefill_ms=prefill,
             hold_ms=600_000,
@@ -352,6 +359,7 @@ async def test_script_decides_both_tiers_as_the_pure_rule(
             aredis,
             lim,
             req,
+            prefill_ms=3 * prefill if beside else prefill,
             tenant=tenant,
             need=gib * GIB,
             budget=BUDGET,
@@ -440,3 +448,48 @@ async def test_without_the_store_a_shorter_prompt_may_use_the_lane() -> None:
     assert (await lim.admit(tq("b", very_long=False, **ask))).admitted
     assert not (await lim.admit(tq("c", very_long=False, **ask))).admitted
     await dead.aclose()
+
+
+async def test_a_lane_prompt_beside_a_128k_prefill_is_expected_later(
+    aredis: aioredis.Redis,
+) -> None:
+    """A shorter ask admitted while a very long prefill runs records its first token as
+    expected beside it (``prefill_beside_ms``), so a refusal for the busy lane is told to
+    wait that long; admitted alone it records its lone estimate."""
+    lim = Limiter(aredis, AdmissionConfig())
+    hold = {"gib": 1, "hold_ms": 600_000}
+    alone = await lim.admit(tq("a", very_long=False, prefill_ms=2_000, beside=8_000, **hold))
+    assert alone.admitted and alone.grant is not None
+    _, at, due = _text(await aredis.hget(f"{TAG}:l", f"p:{alone.grant.lease_id}") or b"").split(
+        ":"
+    )[:3]
+    assert int(due) - int(at) == 2_000
+    await lim.settle(alone.grant, actual_tokens=0, refund_request=False)
+    assert (await lim.admit(tq("noisy", very_long=True, prefill_ms=13_000, **hold))).admitted
+    lane = await lim.admit(tq("a", very_long=False, prefill_ms=2_000, beside=8_000, **hold))
+    assert lane.admitted and lane.grant is not None
+    _, at, due = _text(await aredis.hget(f"{TAG}:l", f"p:{lane.grant.lease_id}") or b"").split(":")[
+        :3
+    ]
+    assert int(due) - int(at) == 8_000
+    refused = await lim.admit(tq("b", very_long=False, prefill_ms=2_000, beside=8_000, **hold))
+    assert not refused.admitted and 7_000 <= refused.frees_in_ms <= 8_000
+    await lim.aclose()
+
+
+def test_a_lane_prompt_beside_a_128k_prefill_gets_the_rest_of_each_step() -> None:
+    """The noisy-neighbour bench's version: a 20k prompt beside a 128k prefill is expected
+    after ~3.7 s of wall time (1.1 s alone; measured 4-7 s there), in the rest (0.36) of each
+    step the 128k chunk (0.64) sets the length of."""
+    from bench.noisy_neighbour import NNConfig, catalog, coarse_profile
+
+    cfg = AdmissionConfig()
+    nn = replace(NNConfig(), speed=1.5)
+    profile = coarse_profile(LLAMA_70B_TP4_H100, nn.k, nn.chunk_tokens)
+    version = next(iter(catalog(nn, profile, [], "v", "c").versions.values()))
+    n = 20_000 // nn.k
+    alone = prefill_expected_seconds(n, version, cfg.long_prefill_attention_share)
+    beside = long_context.lane_prefill_seconds(n, version, cfg)
+    assert 1.0 < alone < 1.3 and 3.3 < beside < 4.1
+    with pytest.raises(ValueError):
+        AdmissionConfig(long_prefill_step_share=1.0)
