@@ -163,10 +163,11 @@ class AdmissionConfig:
     # takes one of the long_prefill_slots_per_replica; a shorter long context may also take
     # one of short_long_prefill_slots_per_replica more per designated replica, so a 128k
     # prefill holding the long slot for ~20 targets does not refuse a neighbour's prompt of
-    # a few targets. 4 targets (~41k tokens on the 70B profile): a lane prompt holds its slot
-    # at most a few seconds, so an ask refused for a busy lane is told one short wait, within
-    # an SDK client's two retries, which a very long prefill outlasts (docs/design.md §7
-    # "Long contexts"). 0 lane slots: one tier, as before.
+    # a few targets. 4 targets (~41k tokens on the 70B profile): alone a lane prompt holds
+    # its slot a few seconds, beside a 128k prefill a few times that, still a fraction of the
+    # 128k one's ~20 targets, so an ask refused for a busy lane is told a wait its client's
+    # retries can span, which a very long prefill outlasts (docs/design.md §7 "Long
+    # contexts"). 0 lane slots: one tier, as before.
     short_long_prefill_slots_per_replica: int = 1
     very_long_prefill_ttft_factor: float = 4.0
     # The share of a replica step's token budget one prefill may take: vLLM's
