@@ -173,8 +173,8 @@ def yields_to_waiting(
     noisy-neighbour benchmark found one slot held empty for seconds while two tenants were
     refused eight times yielding to a third not yet due back,
     bench/results/nn_retry_after/README.md). A waiter with no due-back recorded, or no
-    ``first_token_at`` given (the fleet simulation's clients do not read retry-after),
-    counts as due now: the rule as before. An estimate that runs long can still be in the
+    ``first_token_at`` given (the herd simulation's ledger: its refused requests never
+    come back), counts as due now: the rule as before. An estimate that runs long can still be in the
     slot when the waiter returns; it then waits for that prefill's first token
     (``long_context_wait_ms``), as it would for any running prefill.
 
