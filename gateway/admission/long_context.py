@@ -174,8 +174,8 @@ def yields_to_waiting(
     refused eight times yielding to a third not yet due back,
     bench/results/nn_retry_after/README.md). A waiter with no due-back recorded, or no
     ``first_token_at`` given (the herd simulation's ledger: its refused requests never
-    come back), counts as due now: the rule as before. An estimate that runs long can still be in the
-    slot when the waiter returns; it then waits for that prefill's first token
+    come back), counts as due now: the rule as before. An estimate that runs long can
+    still be in the slot when the waiter returns; it then waits for that prefill's first token
     (``long_context_wait_ms``), as it would for any running prefill.
 
     The KV clause keeps every waiter ahead: a prefill slot frees at the first token but the
