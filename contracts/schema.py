@@ -162,6 +162,10 @@ class ModelVersionRecord:
     # unknown) and the TTFT target: together they say which prompts are long contexts.
     prefill_tokens_per_s: float = 0.0
     ttft_target_ms: int = 1000
+    # The share of the threshold prompt's prefill time that is attention (the part that
+    # grows with the context; emulator/profiles.py's ``prefill_attention_share``). 0 =
+    # unknown (a record from an older control plane): the gateway's configured default.
+    prefill_attention_share: float = 0.0
     # Capabilities (absent in older records: off, as before they existed).
     supports_tools: bool = False
     tool_call_parser: str = ""
