@@ -47,7 +47,13 @@ from gateway.admission.quota import (
     long_context_tag,
     prefilling,
 )
-from gateway.admission.retry import long_context_retry_after_ms, long_context_retry_latest_ms
+from gateway.admission.retry import (
+    CAPPED_SPREAD_MS,
+    long_context_retry_after_ms,
+    long_context_retry_earliest_ms,
+    long_context_retry_latest_ms,
+)
+from gateway.errors import RETRY_AFTER_CAP_MS
 from gateway.redis_client import connect
 from tests.admission.test_limits import BASE as QUOTA_BASE
 
@@ -1149,13 +1155,40 @@ def test_a_tenant_holding_nothing_waits_until_its_latest_retry() -> None:
 
 @given(st.integers(0, 400_000), st.integers(0, 2**32 - 1))
 def test_the_503_never_asks_past_the_latest_retry(frees_in: int, seed: int) -> None:
+    """Nor past 60 s (the openai SDK ignores a longer retry-after and comes back sooner,
+    ``RETRY_AFTER_CAP_MS``): a wait past it is told within the cap's spread below it, and
+    the earliest and latest the ledger keeps (due-back, waiting entry) are the same range's."""
     told = long_context_retry_after_ms(frees_in, random.Random(seed))
-    assert max(frees_in, 1000) <= told <= long_context_retry_latest_ms(frees_in)
+    earliest = long_context_retry_earliest_ms(frees_in)
+    latest = long_context_retry_latest_ms(frees_in)
+    assert earliest <= told <= latest <= RETRY_AFTER_CAP_MS
+    if latest < RETRY_AFTER_CAP_MS:  # under the cap: as before
+        assert earliest == max(frees_in, 1000)
+        assert latest == max(frees_in, 1000) + max(1000, math.ceil(frees_in / 2))
+    else:
+        assert earliest <= max(frees_in, 1000)
+        assert latest - earliest >= min(max(1000, frees_in // 2), CAPPED_SPREAD_MS)
+
+
+def test_a_yield_behind_several_128k_prefills_is_told_at_most_60_s() -> None:
+    """A tenant yielding to three waiters ahead, each due back in 20 s for a 128k prefill of
+    ~21 s (the 70B profile): the room is expected for it in ~83 s; it is told 50-60 s (the
+    cap), and stays waiting until 60 s plus the grace, as told."""
+    wait = long_context.yield_wait_ms(
+        1000, [(T0 + 20_000, 21_000), (T0 + 41_000, 21_000), (T0 + 62_000, 21_000)], T0
+    )
+    assert wait == 83_000
+    rng = random.Random(5)
+    told = [long_context_retry_after_ms(wait, rng) for _ in range(200)]
+    assert all(RETRY_AFTER_CAP_MS - CAPPED_SPREAD_MS <= t <= RETRY_AFTER_CAP_MS for t in told)
+    kept = long_context.waiting_score(T0, wait, 15_000, holds=False)
+    assert kept + 15_000 == T0 + RETRY_AFTER_CAP_MS + long_context.WAITING_GRACE_MS
 
 
 _WAIT_LUA = LEDGER_LUA + (
+    "local earliest, latest = lc_told(tonumber(ARGV[4]))\n"
     "return {lc_wait(redis.call('HGETALL', KEYS[1]), tonumber(ARGV[1]), ARGV[2] == '1',"
-    " ARGV[3] == '1'), lc_told_latest(tonumber(ARGV[4]))}"
+    " ARGV[3] == '1'), lc_told_latest(tonumber(ARGV[4])), earliest, latest}"
 )
 
 
@@ -1190,7 +1223,8 @@ async def test_script_waits_as_the_pure_rule(
     """The admit script's ``lc_wait`` on a ledger holding these leases (each with its
     admission record, or a record without the first-token estimate as written before it)
     says what ``long_context_wait_ms`` says, at the same clock; its ``lc_told_latest`` is
-    ``long_context_retry_latest_ms``."""
+    ``long_context_retry_latest_ms`` and its ``lc_told`` the earliest and latest of the
+    range, capped at 60 s, as retry.py's."""
     key = "lc-wait-test:l"
     await aredis.delete(key)
     fields = {"#": "7", "u:a": "7", "s:a": str(T0 - 5)}
@@ -1205,13 +1239,52 @@ async def test_script_waits_as_the_pure_rule(
     expect = long_context.long_context_wait_ms(
         leases, T0, slots_bound=slots_bound, kv_bound=kv_bound
     )
-    assert [int(v) for v in got] == [expect, long_context_retry_latest_ms(frees_in)]
+    latest = long_context_retry_latest_ms(frees_in)
+    earliest = long_context_retry_earliest_ms(frees_in)
+    assert [int(v) for v in got] == [expect, latest, earliest, latest]
+    assert latest <= RETRY_AFTER_CAP_MS
     await aredis.delete(key)
 
 
 async def _store_ms(aredis: aioredis.Redis) -> int:
     sec, usec = await aredis.time()
     return int(sec) * 1000 + int(usec) // 1000
+
+
+async def test_a_wait_past_60_s_is_kept_in_the_ledger_as_told(aredis: aioredis.Redis) -> None:
+    """a's 128k-class prefill (expected in 200 s) holds the only slot: b is refused with the
+    true wait (~200 s), but the 503 tells it at most 60 s (``RETRY_AFTER_CAP_MS``), so the
+    ledger must expect it back then: its due-back (the backfill) is the earliest it is told
+    and its waiting entry lasts until the latest plus the grace, both within 60 s, as
+    retry.py says for that wait."""
+    lim = Limiter(aredis, AdmissionConfig())
+    tag = long_context_tag("fam-v1")
+    await aredis.delete(*(f"{tag}:{s}" for s in "lew"))
+    hold = {"gib": 1, "prefill_slots": 1, "hold_ms": 600_000}
+    a = await lim.admit(q("a", prefill_ms=200_000, **hold))
+    assert a.admitted
+    window = 1_000
+    ask = q("b", prefill_ms=1, **hold)
+    assert ask.long is not None
+    ask = replace(ask, long=replace(ask.long, demand_window_ms=window))
+    before = await _store_ms(aredis)
+    b = await lim.admit(ask)
+    after = await _store_ms(aredis)
+    assert not b.admitted and b.long_context_full
+    assert b.frees_in_ms > 190_000  # the budget's own estimate is not capped
+    earliest = long_context_retry_earliest_ms(b.frees_in_ms)
+    latest = long_context_retry_latest_ms(b.frees_in_ms)
+    assert (earliest, latest) == (RETRY_AFTER_CAP_MS - CAPPED_SPREAD_MS, RETRY_AFTER_CAP_MS)
+    due, _ = _text(await aredis.hget(f"{tag}:l", "d:b") or b"").split(":")
+    assert before + earliest <= int(due) <= after + earliest
+    kept = await aredis.zscore(f"{tag}:w", "b")
+    assert kept is not None
+    grace = long_context.WAITING_GRACE_MS
+    assert before + latest + grace <= kept + window <= after + latest + grace
+    rng = random.Random(1)
+    told = {long_context_retry_after_ms(b.frees_in_ms, rng) for _ in range(100)}
+    assert earliest <= min(told) and max(told) <= latest
+    await lim.aclose()
 
 
 async def test_a_full_slot_is_waited_for_until_its_holders_first_token(
