@@ -1326,11 +1326,15 @@ async def test_a_full_slot_is_waited_for_until_its_holders_first_token(
     # b holds nothing: waiting until the latest retry it was told plus the grace
     kept = await aredis.zscore(f"{tag}:w", "b")
     assert kept is not None
-    assert kept_until(after) <= kept + window <= kept_until(before)
+    # (told at most 60 s: at the cap it grows with the refusal time, below it it shrinks)
+    bounds = sorted((kept_until(before), kept_until(after)))
+    assert bounds[0] <= kept + window <= bounds[1]
     assert kept + window > due  # past a's first token: the slot is still b's turn then
-    # refused again a moment later (told a little less): the entry is not shortened
+    # refused again a moment later (told a little less, or at the 60 s cap as much from
+    # later): the entry is not shortened
     assert not (await lim.admit(ask)).admitted
-    assert await aredis.zscore(f"{tag}:w", "b") == kept
+    again = await aredis.zscore(f"{tag}:w", "b")
+    assert again is not None and again >= kept
     # a, holding some, refused: waiting from its refusal for the window only, as before
     assert not (await lim.admit(windowed(q("a", prefill_ms=60_000, **hold)))).admitted
     a_kept = await aredis.zscore(f"{tag}:w", "a")
