@@ -16,7 +16,7 @@ import numpy as np
 from bench.workload import DESIGN_OUTPUT, poisson_arrivals
 from contracts import schema
 from emulator.engine import Engine, StepResult
-from emulator.profiles import Profile
+from emulator.profiles import Profile, prefill_attention_share
 from emulator.replica_flags import platform_engine_config
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.estimates import (
@@ -304,6 +304,7 @@ def sim_version(
         replicas=tuple(records),
         prefill_tokens_per_s=prefill_tokens_per_s,
         ttft_target_ms=ttft_target_ms,
+        prefill_attention_share=prefill_attention_share(profile, ttft_target_ms / 1000),
     )
 
 

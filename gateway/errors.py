@@ -7,9 +7,36 @@ The status codes are what the official ``openai`` client maps to its exception c
 
 from __future__ import annotations
 
+import math
 import random
 
 import orjson
+
+# The openai Python SDK honours ``retry-after-ms`` / ``retry-after`` only when 0 < value <= 60 s;
+# a longer one it ignores and retries on its own short exponential backoff (0.5-8 s): sooner
+# than it was told, to be refused again. No retry-after the gateway sends is longer.
+RETRY_AFTER_CAP_MS = 60_000
+
+
+def retry_after_headers(wait_ms: float) -> dict[str, str]:
+    """``retry-after`` (whole seconds, rounded up) and OpenAI's ``retry-after-ms``, saying the
+    same wait: at least 1 ms, at most ``RETRY_AFTER_CAP_MS``."""
+    told = min(RETRY_AFTER_CAP_MS, max(1, math.ceil(wait_ms)))
+    return {"retry-after": str(math.ceil(told / 1000)), "retry-after-ms": str(told)}
+
+
+def _consistent_retry_after(headers: dict[str, str]) -> dict[str, str]:
+    """A refusal's headers with its retry-after written as ``retry_after_headers`` writes
+    it (both headers, capped), from ``retry-after-ms`` when given, else ``retry-after``:
+    whichever refusal sets one, the response says one capped wait in both."""
+    ms, secs = headers.get("retry-after-ms"), headers.get("retry-after")
+    try:
+        wait = float(ms) if ms is not None else float(secs) * 1000 if secs is not None else None
+    except ValueError:
+        return headers
+    if wait is None or not math.isfinite(wait):
+        return headers
+    return {**headers, **retry_after_headers(wait)}
 
 
 class ApiError(Exception):
@@ -30,7 +57,7 @@ class ApiError(Exception):
         self.message = message
         self.code = code
         self.param = param
-        self.headers: dict[str, str] = dict(headers or {})
+        self.headers: dict[str, str] = _consistent_retry_after(dict(headers or {}))
         if status is not None:
             self.status = status
         if type is not None:
@@ -135,7 +162,7 @@ def jittered_retry_after(
     instant (docs/design.md R6: an unjittered Retry-After creates the herd it was meant to prevent).
     """
     delay = base_s + (rng or random).uniform(0.0, spread_s)
-    return {"retry-after": str(max(1, round(delay))), "retry-after-ms": str(int(delay * 1000))}
+    return retry_after_headers(delay * 1000)
 
 
 def capacity_unavailable(

@@ -62,6 +62,7 @@ from gateway.admission.config import VLLM_PRIORITY, AdmissionConfig, EffectiveCl
 from gateway.admission.early import Headroom, Undecided, early_dispatch_allowed
 from gateway.admission.estimates import (
     KV_MILLI,
+    attention_share,
     est_out_for_kv,
     expected_duration_ms,
     long_context_threshold,
@@ -257,7 +258,9 @@ class AdmissionController:
                 1,
                 math.ceil(
                     prefill_expected_seconds(
-                        req.prompt_tokens_est, version, cfg.long_prefill_attention_share
+                        req.prompt_tokens_est,
+                        version,
+                        attention_share(version, cfg.long_prefill_attention_share),
                     )
                     * 1000
                 ),
