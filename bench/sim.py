@@ -20,6 +20,7 @@ from emulator.profiles import Profile, prefill_attention_share
 from emulator.replica_flags import platform_engine_config
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.estimates import (
+    attention_share,
     est_out_for_kv,
     expected_duration_ms,
     prefill_bound_seconds,
@@ -38,6 +39,7 @@ from gateway.admission.long_context import (
     yields_to_waiting,
 )
 from gateway.admission.replicas import ReplicaState
+from gateway.admission.retry import long_context_retry_earliest_ms
 from gateway.admission.router import Router
 
 HEAVY_PROMPT = 128_000  # a flooding tenant's prompt (plus its output fits the context)
@@ -131,7 +133,8 @@ class LongContextLedger:
     ``waiting_score``): leases (``SimLease``: tenant, KV bytes, prefill slot held until,
     admitted, first token expected, expected end), the tenants waiting (-> the entry's
     score, s: it counts until score plus the demand window), each refused tenant's due-back
-    (its refusal plus the wait it was told, and its ask's expected prefill, ms), each
+    (its refusal plus the earliest retry-after it may be told, and its ask's expected
+    prefill, ms), each
     tenant's last admission, and the admissions per tenant (and when each was).
 
     ``tells_waits`` off: the ledger before it (for the comparison arms and the herd
@@ -158,7 +161,7 @@ class LongContextLedger:
     def prefill_ms(self, prompt: int) -> int:
         """A ``prompt``-token ask's expected first token from admission (ms), as the
         gateway's ``AdmissionController.long_context_ask`` puts it in its lease."""
-        share = self.adm.long_prefill_attention_share
+        share = attention_share(self.version, self.adm.long_prefill_attention_share)
         return max(1, math.ceil(prefill_expected_seconds(prompt, self.version, share) * 1000))
 
     def expected_ms(self, output: int) -> int:
@@ -225,7 +228,8 @@ class LongContextLedger:
         score = waiting_score(now_ms, wait, window_ms, holds=usage.get(tenant, 0) > 0)
         # never shortened (the script's ZADD GT)
         self.waiting[tenant] = max(self.waiting.get(tenant, now), score / 1000)
-        self.due[tenant] = (now_ms + wait, prefill_ms)
+        # due back at the earliest retry it is told (the script's ``lc_told``)
+        self.due[tenant] = (now_ms + long_context_retry_earliest_ms(wait), prefill_ms)
         return wait
 
     def _refusal_wait(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -28,6 +29,7 @@ from gateway.admission.long_context import (
 from gateway.admission.retry import (
     capacity_retry_after_ms,
     long_context_retry_after_ms,
+    long_context_retry_earliest_ms,
     long_context_retry_latest_ms,
 )
 
@@ -36,16 +38,21 @@ KV = PROFILE.kv_bytes_per_token
 OUT = 100  # every ask's output tokens
 
 
-def _ledger(tells_waits: bool = True, window_s: float = 15.0) -> LongContextLedger:
+def _ledger(
+    tells_waits: bool = True, window_s: float = 15.0, rate: float = 10_000.0
+) -> LongContextLedger:
     """4 shared replicas (one designated: one prefill slot, ~480k tokens of KV) prefilling
-    10,000 tokens/s: a 100k prompt is expected to take 19 s, a 20k one 2.2 s."""
+    10,000 tokens/s, a tenth of the threshold prompt's time attention: a 100k prompt is
+    expected to take 19 s, a 20k one 2.2 s."""
     version = sim_version("v", "llama-70b", PROFILE, replica_records(4),
                           kv_capacity_tokens=PROFILE.kv_capacity_tokens,
-                          prefill_tokens_per_s=10_000.0)  # fmt: skip
+                          prefill_tokens_per_s=rate)  # fmt: skip
+    version = replace(version, prefill_attention_share=0.10)
     adm = AdmissionConfig(long_context_demand_window_s=window_s)
     ledger = LongContextLedger(version, 4, adm, tells_waits=tells_waits)
     assert long_context_budget(version, 4, "standard", adm)[1] == 1
-    assert ledger.prefill_ms(100_000) == 19_000 and ledger.prefill_ms(20_000) == 2_200
+    if rate == 10_000.0:
+        assert ledger.prefill_ms(100_000) == 19_000 and ledger.prefill_ms(20_000) == 2_200
     return ledger
 
 
@@ -191,3 +198,18 @@ def test_a_retry_after_past_the_sdks_bound_is_not_retried() -> None:
     assert far.final and far.status == "rejected" and far.attempt == 0 and sim.gave_up == 1
     assert not near.final and near.attempt == 1
     assert [t for t, _, _, p in sim.events if p is near] == [121.0]
+
+
+def test_a_wait_past_the_retry_after_cap_is_due_back_at_the_earliest_retry_told() -> None:
+    """At 1,000 tokens/s a's 100k prompt is due to finish prefilling 190 s after admission:
+    b is told the full wait by the budget, its retry-after is capped, and its due-back is the
+    earliest retry-after it may be told (``long_context_retry_earliest_ms``), as the script
+    records it, not its refusal plus the uncapped wait."""
+    ledger = _ledger(rate=1_000.0)
+    wait = _scene(ledger)
+    assert wait is not None and wait > 120_000
+    earliest = long_context_retry_earliest_ms(wait)
+    assert earliest < wait
+    assert ledger.due["b"] == (2_000 + earliest, ledger.prefill_ms(20_000))
+    kept = waiting_score(2_000, wait, 15_000, holds=False)
+    assert ledger.waiting["b"] == kept / 1000
