@@ -12,9 +12,10 @@ import random
 
 import orjson
 
-# The openai Python SDK honours ``retry-after-ms`` / ``retry-after`` only when 0 < value <= 60 s;
-# a longer one it ignores and retries on its own short exponential backoff (0.5-8 s): sooner
-# than it was told, to be refused again. No retry-after the gateway sends is longer.
+# The openai Python SDK honours ``retry-after-ms`` / ``retry-after`` only up to a bound: 60 s in
+# its 1.x releases (a longer one it ignores and retries on its own 0.5-8 s backoff, sooner than
+# told, to be refused again), 120 s in the release bench/loadgen.py models (a longer one is not
+# retried at all). No retry-after the gateway sends is longer than the lower of the two.
 RETRY_AFTER_CAP_MS = 60_000
 
 

@@ -1,6 +1,6 @@
 """Retry-After jitter and the retry budget (docs/design.md R6): no two clients are told the
-same instant, none is told more than 60 s (``RETRY_AFTER_CAP_MS``: the openai SDK ignores a
-longer one), and retries above a share of admitted traffic are shed first.
+same instant, none is told more than 60 s (``RETRY_AFTER_CAP_MS``: the longest wait every
+openai SDK release honours), and retries above a share of admitted traffic are shed first.
 """
 
 from __future__ import annotations
