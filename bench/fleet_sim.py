@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.cliff import CliffPoint, run_engine
+from bench.loadgen import sdk_should_retry
 from bench.noisy_neighbour import threshold_prefill_rate
 from bench.sim import (
     HEAVY_PROMPT,
@@ -59,6 +60,7 @@ from gateway.admission.replicas import ReplicaState
 from gateway.admission.retry import (
     capacity_retry_after_ms,
     in_retry_storm,
+    long_context_retry_after_ms,
     sheds_retry,
     storm_retry_after_ms,
 )
@@ -169,6 +171,13 @@ class FleetConfig:
     # AdmissionConfig.reserved_long_off_pool (False, the gateway's default: reserved long
     # contexts take the pool first; bench/results/fleet_sim_reserved_pool.md).
     reserved_long_off_pool: bool = False
+    # The long-context ledger as the gateway keeps it (``LongContextLedger.tells_waits``): a
+    # budget refusal tells the client the wait the admit script computes (the running
+    # prefill's expected first token, the first lease's expected end, the waiters ahead's
+    # due-backs) and records its due-back; False: the sim before it, for the comparison arm
+    # of bench/results/fleet_sim_isolation_retry.md (told the fleet-full retry-after, 5-10 s;
+    # no due-backs; waiting entries last the demand window).
+    lc_told_wait: bool = True
 
     def replica_long_prefill_tokens(self, idx: int) -> int:
         """Replica ``idx``'s --long-prefill-token-threshold (the pool is replicas
@@ -217,6 +226,7 @@ class SimResult:
     long_refused: int = 0
     long_refused_by: dict[str, int] = field(default_factory=dict)
     long_admitted_at: dict[str, list[float]] = field(default_factory=dict)  # admission times
+    long_told_s: list[float] = field(default_factory=list)  # long-context 503s' retry-after
     slow_steps: list[list[SlowStep]] = field(default_factory=list)
 
     def measured(self) -> list[SimRequest]:
@@ -526,7 +536,9 @@ class FleetSim:
         version = self.gws[0].version
         self.long_threshold = long_context_threshold(version)
         # The fleet's long-context ledger (Redis in production).
-        self.ledger = LongContextLedger(version, cfg.replicas - cfg.reserved_replicas, self.adm)
+        self.ledger = LongContextLedger(version, cfg.replicas - cfg.reserved_replicas, self.adm,
+                                        tells_waits=cfg.lc_told_wait)  # fmt: skip
+        self.long_told_s: list[float] = []
 
     # -- events ------------------------------------------------------------------------
 
@@ -601,11 +613,19 @@ class FleetSim:
         return len(live), sum(1 for _, r in live if r)
 
     def _reject(self, r: SimRequest, now: float, retry_after_s: float, refusal: str) -> None:
+        """A 503: the client retries at the retry-after, as the openai SDK does while it
+        is within the SDK's bound (``bench.loadgen.sdk_should_retry``); past it, not at
+        all. Every 503 here asks for a retry-after (``sdk_retry_delay`` honours it)."""
         self._tick["rejected"] += 1
         r.rejections += 1
         r.refusal = refusal
         if r.attempt == 0:
             self._tick["rejected_first"] += 1
+        if not sdk_should_retry(503, retry_after_s, None):
+            r.status = "rejected"
+            self.gave_up += 1
+            self._resolve(r, now)
+            return
         self._client_retry(r, now + retry_after_s, status="rejected")
 
     def _client_retry(self, r: SimRequest, at: float, status: str) -> None:
@@ -642,10 +662,15 @@ class FleetSim:
         long_context = self.adm.context_placement and r.prompt >= self.long_threshold
         lease = f"{r.rid}.{r.attempt}"
         if long_context and r.tenant_class != "reserved" and self.adm.enforces("long_context"):
-            if not self._long_admit(r, lease, now):
+            frees_in_ms = self._long_admit(r, lease, now)
+            if frees_in_ms is not None:
                 self.long_refused += 1
                 self.long_refused_by[r.tenant] = self.long_refused_by.get(r.tenant, 0) + 1
-                wait = capacity_retry_after_ms(self.adm, gw.rng) / 1000
+                if cfg.lc_told_wait:  # the gateway's 503 (AdmissionController._refusal)
+                    wait = long_context_retry_after_ms(frees_in_ms, gw.rng) / 1000
+                else:
+                    wait = capacity_retry_after_ms(self.adm, gw.rng) / 1000
+                self.long_told_s.append(wait)
                 self._reject(r, now, wait, REFUSED_LONG_BUDGET)
                 return
         if self.adm.context_placement:
@@ -699,11 +724,13 @@ class FleetSim:
             rep.stepping = True
             self.push(now, _STEP, idx)
 
-    def _long_admit(self, r: SimRequest, lease: str, now: float) -> bool:
-        """The admit script's long-context budget (``LongContextLedger.admit``)."""
+    def _long_admit(self, r: SimRequest, lease: str, now: float) -> int | None:
+        """The admit script's long-context budget (``LongContextLedger.ask``): None,
+        admitted; else the wait (ms) it answers."""
         need = (r.prompt + r.output) * self.kv_bytes  # prompt and output growth, as the gateway
-        r.long_lease = self.ledger.admit(r.tenant, lease, need, r.prompt, now)
-        return r.long_lease
+        wait = self.ledger.ask(r.tenant, lease, need, r.prompt, now, output=r.output)
+        r.long_lease = wait is None
+        return wait
 
     def _long_release(self, r: SimRequest, lease: str) -> None:
         if r.long_lease:
@@ -836,6 +863,7 @@ class FleetSim:
             long_refused=self.long_refused,
             long_refused_by=self.long_refused_by,
             long_admitted_at=self.ledger.admitted_at,
+            long_told_s=self.long_told_s,
             slow_steps=self.slow_steps,
         )
 
@@ -942,6 +970,7 @@ def isolation_experiments(
     reserved_rule_off: bool = False,
     reserved_long_rule_on: bool = False,
     pool_caps: tuple[int, ...] = (),
+    lc_before: bool = False,
 ) -> dict[str, FleetConfig]:
     """The several-heavy-tenants variant, old policy against new in one run: ``heavy``
     standard tenants flooding 128k prompts (at ``heavy_rates``, cycled) on top of the
@@ -954,7 +983,9 @@ def isolation_experiments(
     with ``reserved_long_rule_on``, each pool also with ``reserved_long_off_pool``
     (reserved long contexts on the designated shared replicas first, the pool last); with
     ``pool_caps``, each pool also with its replicas at each of those
-    --long-prefill-token-threshold values (the shared replicas unchanged)."""
+    --long-prefill-token-threshold values (the shared replicas unchanged); with
+    ``lc_before``, also the new policy with the simulated ledger as before it told waits
+    (``FleetConfig.lc_told_wait`` off)."""
     base = scale.config(seed)
     if heavy_duration_s:
         base = replace(base, duration_s=heavy_duration_s, warmup_s=heavy_duration_s / 3)
@@ -964,6 +995,10 @@ def isolation_experiments(
         for name, iso in POLICIES.items()
     }
     new = replace(base, isolation=True)
+    if lc_before:
+        out[f"new, long-context 503s as before, {heavy} heavy tenants"] = replace(
+            new, lc_told_wait=False
+        )
     if reserved_rule_off:
         out[f"new, reserved on idle designated replicas, {heavy} heavy tenants"] = replace(
             new, reserved_off_long=False
@@ -1099,15 +1134,18 @@ def heavy_admits(res: SimResult, lo: float, end: float) -> dict[str, dict[str, f
 def _heavy_tenant_table(res: SimResult, lo: float, end: float) -> list[str]:
     """Per heavy tenant: offered, arrived, the budget's admissions against their max-min
     fair share of the heavy admits given what each asked for (``heavy_admits``), refused by
-    the budget, prefilled 128k prompts and their share of the prefilled long-context work,
+    the budget, requests whose client gave up (its attempts spent, or a retry-after past
+    the SDK's bound), prefilled 128k prompts and their share of the prefilled long-context work,
     completed requests and goodput."""
     prefilled: dict[str, int] = {}
     done: dict[str, int] = {}
+    gave_up: dict[str, int] = {}
     for r in res.requests:
         if not r.heavy:
             continue
         prefilled.setdefault(r.tenant, 0)
         done.setdefault(r.tenant, 0)
+        gave_up[r.tenant] = gave_up.get(r.tenant, 0) + (r.final and r.status != "ok")
         if r.first_token is not None and lo <= r.first_token <= end:
             prefilled[r.tenant] += r.prompt
         if r.status == "ok" and r.finished is not None and lo <= r.finished <= end:
@@ -1122,15 +1160,15 @@ def _heavy_tenant_table(res: SimResult, lo: float, end: float) -> list[str]:
     rows = [
         "| heavy tenant | offered req/s | arrived (whole run / in window) | budget admits "
         "(whole run / in window) | max-min share of the admits (whole run / in window) | "
-        "budget 503s (whole run) | 128k prefills done in window | share of long-context "
-        "work served | completed in window | goodput req/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "budget 503s (whole run) | gave up (whole run) | 128k prefills done in window | "
+        "share of long-context work served | completed in window | goodput req/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cells = [
         [t, f"{rate.get(t, 0):g}", f"{a['demand']:.0f} / {a['demand_win']:.0f}",
          f"{a['admits']:.0f} / {a['admits_win']:.0f}",
          (f"{a['share']:.1f} / {a['share_win']:.1f}" if a["share"] else "—"),
-         res.long_refused_by.get(t, 0),
+         res.long_refused_by.get(t, 0), gave_up.get(t, 0),
          prefilled.get(t, 0) // HEAVY_PROMPT,
          _pct(prefilled.get(t, 0) / total) if total else "—",
          done.get(t, 0), f"{done.get(t, 0) / (end - lo):.3f}"]
@@ -1257,8 +1295,9 @@ def write_isolation_report(
         "",
         "| run | attainment (others) | others' TTFT p95 / p99 ms | others' TPOT p95 ms | "
         "standard TTFT / TPOT p95 | free TTFT / TPOT p95 | mean of fullest replica | p99 of "
-        "fullest | 503 / attempts | long-context 503s | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "fullest | 503 / attempts | long-context 503s | their retry-after p50 / p95 / max s "
+        "| wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, res in results.items():
         lo = res.cfg.warmup_s
@@ -1278,7 +1317,8 @@ def write_isolation_report(
                 f"{_ms(_p(res.ttfts(meas), 95))} / {_ms(_p(res.ttfts(meas), 99))}",
                 _ms(_p(res.tpots(meas), 95)), cls("standard"), cls("best_effort"),
                 f"{float(np.mean(occ_max)):.3f}", f"{_p(list(occ_max), 99):.3f}",
-                f"{rejected} / {arrivals}", res.long_refused, f"{res.wall_s:.0f}",
+                f"{rejected} / {arrivals}", res.long_refused, _told_cell(res.long_told_s),
+                f"{res.wall_s:.0f}",
             ])
         )  # fmt: skip
     for name, res in results.items():
@@ -1290,6 +1330,13 @@ def write_isolation_report(
     path = out_dir / report_name
     path.write_text("\n".join(rows) + "\n")
     return path
+
+
+def _told_cell(told_s: list[float]) -> str:
+    """The retry-after (s) the long-context 503s asked for: p50 / p95 / max."""
+    if not told_s:
+        return "—"
+    return f"{_p(told_s, 50):.1f} / {_p(told_s, 95):.1f} / {max(told_s):.1f}"
 
 
 def _causes_cell(c: ClassSLO) -> str:
@@ -2013,6 +2060,13 @@ def main(argv: list[str] | None = None) -> int:
         "(reserved long contexts on the designated shared replicas first, the pool last)",
     )
     ap.add_argument(
+        "--lc-before",
+        action="store_true",
+        help="isolation runs: also run the new policy with the simulated long-context ledger "
+        "as before it told the gateway's waits (503s told the fleet-full retry-after, no "
+        "due-backs, waiting entries for the demand window)",
+    )
+    ap.add_argument(
         "--skip-arm",
         action="append",
         default=[],
@@ -2087,6 +2141,7 @@ def main(argv: list[str] | None = None) -> int:
                 chunk_cap=args.chunk_cap, reserved_pools=pools,
                 reserved_rule_off=args.reserved_rule_off,
                 reserved_long_rule_on=args.reserved_long_rule_on, pool_caps=pool_caps,
+                lc_before=args.lc_before,
             )  # fmt: skip
             exps.update({k + (f", seed {seed}" if seeds else ""): v for k, v in arms.items()})
         exps = {k: v for k, v in exps.items() if not any(t in k for t in args.skip_arm)}

@@ -311,7 +311,9 @@ def run_arm(cfg: HerdConfig, arm: Arm, work: list[Work]) -> ArmResult:
     states = [ReplicaState(record=r, version=VERSION) for r in records]
     adm = arm.admission()
     ledger = (
-        LongContextLedger(version, cfg.replicas - cfg.reserved_replicas, adm)
+        # as before the fleet simulation's ledger told waits: the herd's refused requests
+        # are dropped, not retried, so nothing here reads a retry-after or comes back
+        LongContextLedger(version, cfg.replicas - cfg.reserved_replicas, adm, tells_waits=False)
         if arm.budget
         else None
     )

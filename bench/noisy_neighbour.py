@@ -66,7 +66,12 @@ from bench.workload import (
     build_workload,
 )
 from contracts import schema
-from emulator.profiles import LLAMA_70B_TP4_H100, Profile
+from emulator.profiles import (
+    LLAMA_70B_TP4_H100,
+    Profile,
+    long_context_threshold_tokens,
+    prefill_attention_share,
+)
 
 RESULTS = Path(__file__).parent / "results"
 FAMILY = "llama-70b"
@@ -270,6 +275,7 @@ def catalog(cfg: NNConfig, profile: Profile, replicas: Sequence[cluster.Replica]
         # gateway sees the emulators run at ``speed``
         prefill_tokens_per_s=rate * cfg.speed,
         ttft_target_ms=max(1, round(TTFT_TARGET_S * 1000 / cfg.speed)),
+        prefill_attention_share=prefill_attention_share(profile, TTFT_TARGET_S),
     )  # fmt: skip
     return schema.Catalog(families={FAMILY: version}, versions={version: mv})
 
@@ -281,16 +287,8 @@ def threshold_prefill_rate(profile: Profile, ttft_s: float) -> float:
     """The profile's prefill rate at the long-context threshold: tokens n whose lone
     prefill takes ``ttft_s`` (model time), over ``ttft_s``. Realistic prefill grows faster
     than linearly with the prompt (attention), so this is the rate that matters there."""
-    lo, hi = 1, max(2, profile.max_model_len)
-    if profile.prefill_seconds(hi) < ttft_s:
-        return hi / profile.prefill_seconds(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if profile.prefill_seconds(mid) < ttft_s:
-            lo = mid
-        else:
-            hi = mid
-    return hi / ttft_s
+    n0 = long_context_threshold_tokens(profile, ttft_s)
+    return n0 / min(ttft_s, profile.prefill_seconds(n0))
 
 
 # Gateway knobs per arm: GATEWAY_ADMISSION_* (gateway.admission.config.AdmissionConfig.from_env).

@@ -7,6 +7,7 @@ Arrivals come from ``bench.workload.poisson_arrivals``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -15,12 +16,30 @@ import numpy as np
 from bench.workload import DESIGN_OUTPUT, poisson_arrivals
 from contracts import schema
 from emulator.engine import Engine, StepResult
-from emulator.profiles import Profile
+from emulator.profiles import Profile, prefill_attention_share
 from emulator.replica_flags import platform_engine_config
 from gateway.admission.config import AdmissionConfig
-from gateway.admission.estimates import prefill_bound_seconds
-from gateway.admission.long_context import long_context_admits, long_context_budget
+from gateway.admission.estimates import (
+    attention_share,
+    est_out_for_kv,
+    expected_duration_ms,
+    prefill_bound_seconds,
+    prefill_expected_seconds,
+)
+from gateway.admission.long_context import (
+    LeaseTimes,
+    displaced,
+    long_context_admits,
+    long_context_budget,
+    long_context_wait_ms,
+    slot_share_reached,
+    waiting_ahead,
+    waiting_score,
+    yield_wait_ms,
+    yields_to_waiting,
+)
 from gateway.admission.replicas import ReplicaState
+from gateway.admission.retry import long_context_retry_earliest_ms
 from gateway.admission.router import Router
 
 HEAVY_PROMPT = 128_000  # a flooding tenant's prompt (plus its output fits the context)
@@ -76,20 +95,61 @@ def heavy_arrivals(seed: int, rate_rps: float, start: float, end: float) -> list
 
 
 @dataclass(slots=True)
+class SimLease:
+    """One long-context lease as the admit script records it (gateway/admission/quota.py's
+    lease and its 'p:' admission record): its tenant and KV bytes, the time (s) its prefill
+    slot is held until (its safety expiry, moved to its first token's arrival), and in the
+    store's ms when it was admitted, when its first token is expected and when it is
+    expected to end."""
+
+    tenant: str
+    kv: int
+    prefill_end: float
+    admitted_ms: int = -1
+    first_token_due_ms: int = -1
+    expected_end_ms: int = 0
+
+    def times(self) -> LeaseTimes:
+        """Its times as the gateway's ``long_context_wait_ms`` reads them."""
+        return LeaseTimes(
+            prefill_end=store_ms(self.prefill_end),
+            expected_end=self.expected_end_ms,
+            admitted=self.admitted_ms,
+            first_token_due=self.first_token_due_ms,
+        )
+
+
+def store_ms(t: float) -> int:
+    """A virtual time (s) on the store's clock (integer ms, as Redis ``TIME`` gives it)."""
+    return math.floor(t * 1000)
+
+
+@dataclass(slots=True)
 class LongContextLedger:
     """The fleet's long-context ledger (Redis in production, read by the admit script of
-    gateway/admission/quota.py) and the budget's decisions on it
-    (``long_context.long_context_admits``): leases (lease -> tenant, KV bytes, the time its
-    prefill slot is held until), tenants refused within the demand window (-> when), each
-    tenant's last admission, and the admissions per tenant (and when each was). It records
-    no due-backs: its clients retry on their own schedule, not at the retry-after, so every
-    waiter counts as due now and the turn order has no backfill (``yields_to_waiting``)."""
+    gateway/admission/quota.py) and the budget's decisions and answers on it, from the
+    gateway's own pure functions (``long_context.long_context_admits``; a refusal's wait
+    from ``long_context_wait_ms`` and ``yield_wait_ms``, the waiting entry from
+    ``waiting_score``): leases (``SimLease``: tenant, KV bytes, prefill slot held until,
+    admitted, first token expected, expected end), the tenants waiting (-> the entry's
+    score, s: it counts until score plus the demand window), each refused tenant's due-back
+    (its refusal plus the earliest retry-after it may be told, and its ask's expected
+    prefill, ms), each
+    tenant's last admission, and the admissions per tenant (and when each was).
+
+    ``tells_waits`` off: the ledger before it (for the comparison arms and the herd
+    simulation, whose clients do not retry): no due-backs, so the turn order has no
+    backfill and every waiter counts as due now, and a waiting entry lasts the demand
+    window from the refusal whatever wait it was told (the fleet simulation's clients were
+    then told the fleet-full retry-after, ``capacity_retry_after_ms``)."""
 
     version: schema.ModelVersionRecord
     shared_replicas: int
     adm: AdmissionConfig
-    leases: dict[str, tuple[str, int, float]] = field(default_factory=dict)
+    tells_waits: bool = True
+    leases: dict[str, SimLease] = field(default_factory=dict)
     waiting: dict[str, float] = field(default_factory=dict)
+    due: dict[str, tuple[int, int]] = field(default_factory=dict)
     served: dict[str, float] = field(default_factory=dict)
     admitted_at: dict[str, list[float]] = field(default_factory=dict)
 
@@ -98,44 +158,125 @@ class LongContextLedger:
         """The admissions per tenant."""
         return {who: len(at) for who, at in self.admitted_at.items()}
 
-    def admit(self, tenant: str, lease: str, need: int, prompt: int, now: float) -> bool:
+    def prefill_ms(self, prompt: int) -> int:
+        """A ``prompt``-token ask's expected first token from admission (ms), as the
+        gateway's ``AdmissionController.long_context_ask`` puts it in its lease."""
+        share = attention_share(self.version, self.adm.long_prefill_attention_share)
+        return max(1, math.ceil(prefill_expected_seconds(prompt, self.version, share) * 1000))
+
+    def expected_ms(self, output: int) -> int:
+        """How long a lease is expected to hold its KV (ms): its decode at the TPOT estimate,
+        as the gateway's ``expected_duration_ms``. The estimate is the target (the floor of
+        ``tpot_estimate``: the simulated replicas run at or under it)."""
+        est_out = est_out_for_kv(output, self.adm.est_out_cap)
+        return expected_duration_ms(est_out, self.version.tpot_target_ms / 1000)
+
+    def admit(
+        self, tenant: str, lease: str, need: int, prompt: int, now: float, output: int = 0
+    ) -> bool:
         """Whether the budget admits ``need`` KV bytes (prompt and output growth, as the
-        gateway charges them) of a ``prompt``-token long context for ``tenant``; if so the
-        lease is held until ``release``, its prefill slot until ``prefilled``."""
+        gateway charges them) of a ``prompt``-token long context for ``tenant``
+        (``ask``)."""
+        return self.ask(tenant, lease, need, prompt, now, output) is None
+
+    def ask(
+        self, tenant: str, lease: str, need: int, prompt: int, now: float, output: int = 0
+    ) -> int | None:
+        """The admit script's answer to a long-context ask: None, admitted (the lease is
+        held until ``release``, its prefill slot until ``prefilled``); else how long (ms)
+        the refused ask should wait before asking again (the script's ``frees_in_ms``, which
+        the gateway jitters into the 503's retry-after, ``long_context_retry_after_ms``).
+        ``output``: its output tokens (the lease's expected end)."""
         window = self.adm.long_context_demand_window_s
         for who, at in list(self.waiting.items()):
             if at < now - window:
                 del self.waiting[who]
+        for who in [w for w in self.due if w not in self.waiting]:
+            del self.due[who]  # a due-back outlives its waiting entry by one ask at most
         usage: dict[str, int] = {}
         prefill_by: dict[str, int] = {}
-        for who, b, pend in self.leases.values():
-            usage[who] = usage.get(who, 0) + b
-            if pend > now:
-                prefill_by[who] = prefill_by.get(who, 0) + 1
-        shared = self.shared_replicas
-        budget, slots = long_context_budget(self.version, shared, "standard", self.adm)
-        ok = long_context_admits(tenant=tenant, need=need, budget=budget, slots=slots,
-                                 usage=usage, prefilling=sum(prefill_by.values()),
-                                 waiting=self.waiting.keys(), served=self.served,
-                                 prefills=prefill_by)  # fmt: skip
-        if ok:
+        for x in self.leases.values():
+            usage[x.tenant] = usage.get(x.tenant, 0) + x.kv
+            if x.prefill_end > now:
+                prefill_by[x.tenant] = prefill_by.get(x.tenant, 0) + 1
+        budget, slots = long_context_budget(self.version, self.shared_replicas, "standard",
+                                            self.adm)  # fmt: skip
+        now_ms, prefill_ms = store_ms(now), self.prefill_ms(prompt)
+        first_token_at = now_ms + prefill_ms if self.tells_waits else None
+        due = {w: at for w, (at, _) in self.due.items()}
+        if long_context_admits(tenant=tenant, need=need, budget=budget, slots=slots,
+                               usage=usage, prefilling=sum(prefill_by.values()),
+                               waiting=self.waiting.keys(), served=self.served,
+                               prefills=prefill_by, first_token_at=first_token_at,
+                               due=due):  # fmt: skip
             self.admitted_at.setdefault(tenant, []).append(now)
             self.served[tenant] = now
             # The prefill slot is held until the first token (``prefilled``); the bound is
             # only the gateway's safety expiry for a release that never comes.
             hold = self.adm.long_prefill_hold_factor * prefill_bound_seconds(prompt, self.version)
-            self.leases[lease] = (tenant, need, now + hold)
+            self.leases[lease] = SimLease(tenant, need, now + hold, now_ms, now_ms + prefill_ms,
+                                          now_ms + self.expected_ms(output))  # fmt: skip
             self.waiting.pop(tenant, None)
-        else:
+            self.due.pop(tenant, None)
+            return None
+        wait = self._refusal_wait(tenant, need, budget, slots, usage, prefill_by, now_ms,
+                                  first_token_at)  # fmt: skip
+        if not self.tells_waits:
             self.waiting[tenant] = now
-        return ok
+            return wait
+        window_ms = store_ms(window)
+        score = waiting_score(now_ms, wait, window_ms, holds=usage.get(tenant, 0) > 0)
+        # never shortened (the script's ZADD GT)
+        self.waiting[tenant] = max(self.waiting.get(tenant, now), score / 1000)
+        # due back at the earliest retry it is told (the script's ``lc_told``)
+        self.due[tenant] = (now_ms + long_context_retry_earliest_ms(wait), prefill_ms)
+        return wait
+
+    def _refusal_wait(
+        self,
+        tenant: str,
+        need: int,
+        budget: int,
+        slots: int,
+        usage: dict[str, int],
+        prefill_by: dict[str, int],
+        now_ms: int,
+        first_token_at: int | None,
+    ) -> int:
+        """The wait (ms) the admit script tells a refused ask (gateway/admission/quota.py's
+        ``lc_refusal``, whose Python spec is ``long_context_wait_ms`` and
+        ``yield_wait_ms``): a slot refusal (every slot busy, the slot left goes to a tenant
+        waiting ahead, or the tenant runs its share of them) waits for a running prefill's
+        expected first token, any other for KV to free; a yield at least until the waiters
+        ahead are due back and through their prefill."""
+        total, prefilling = sum(usage.values()), sum(prefill_by.values())
+        waiting = self.waiting.keys()
+        due = {w: at for w, (at, _) in self.due.items()}
+        ahead = waiting_ahead(tenant, waiting, self.served, usage)
+        early = len(displaced(ahead, first_token_at, due))
+        yields = yields_to_waiting(tenant, waiting, self.served, usage, need=need,
+                                   slots_left=slots - prefilling - 1,
+                                   kv_left=budget - total - need,
+                                   first_token_at=first_token_at, due=due)  # fmt: skip
+        full = total + need > budget or prefilling >= slots
+        share = not full and not yields and slot_share_reached(tenant, slots, prefill_by, waiting)
+        slots_bound = prefilling >= slots or share or (yields and slots - prefilling - 1 < early)
+        wait = long_context_wait_ms(
+            (x.times() for x in self.leases.values()),
+            now_ms,
+            slots_bound=slots_bound,
+            kv_bound=not slots_bound or total + need > budget,
+        )
+        if yields:
+            wait = yield_wait_ms(wait, [self.due[w] for w in ahead if w in self.due], now_ms)
+        return wait
 
     def prefilled(self, lease: str, at: float) -> None:
         """The first token reached the gateway: the long prefill gives its slot back (its KV
         stays leased until the request ends), as the gateway's ``prefill_done``."""
         held = self.leases.get(lease)
         if held is not None:
-            self.leases[lease] = (held[0], held[1], at)
+            held.prefill_end = at
 
     def release(self, lease: str) -> None:
         self.leases.pop(lease, None)
@@ -143,7 +284,7 @@ class LongContextLedger:
     def fleet_bytes(self, but: str = "") -> int:
         """The long-context KV leased fleet-wide, but lease ``but``'s own (what the router's
         ``note_fleet_long`` is told with a budget answer)."""
-        return sum(b for lease, (_, b, _) in self.leases.items() if lease != but)
+        return sum(x.kv for lease, x in self.leases.items() if lease != but)
 
 
 def sim_version(
@@ -167,6 +308,7 @@ def sim_version(
         replicas=tuple(records),
         prefill_tokens_per_s=prefill_tokens_per_s,
         ttft_target_ms=ttft_target_ms,
+        prefill_attention_share=prefill_attention_share(profile, ttft_target_ms / 1000),
     )
 
 

@@ -1,6 +1,10 @@
 """GET /api/v1/models/: the model families, their current version and pinnable versions,
 each with the prices in force now.
 
+PATCH /api/v1/models/<version>/profile/: correct a version's replica-profile facts (prefill
+rate, TTFT target, prefill attention share), for staff holding
+``catalog.change_modelversion``; the gateway reads them with the version.
+
 GET/POST /api/v1/models/<version>/prices/: a version's price history and price changes,
 for staff holding ``catalog.view_modelprice`` / ``catalog.add_modelprice`` (being staff
 is not enough). A change records who made it and why; it takes effect from the current
@@ -13,6 +17,7 @@ withdrawal does no more than scheduling the previous price again at that hour wo
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from django.core.exceptions import PermissionDenied
@@ -28,6 +33,7 @@ from catalog.models import ModelPrice, ModelVersion
 
 VIEW_PRICES = "catalog.view_modelprice"
 CHANGE_PRICES = "catalog.add_modelprice"
+CHANGE_PROFILE = "catalog.change_modelversion"
 
 
 class VersionOutput(serializers.Serializer):
@@ -37,6 +43,7 @@ class VersionOutput(serializers.Serializer):
     kv_bytes_per_token = serializers.IntegerField()
     tpot_target_ms = serializers.IntegerField()
     kv_capacity_tokens = serializers.IntegerField()
+    prefill_attention_share = serializers.FloatField()
     capabilities = serializers.SerializerMethodField()
     currency = serializers.CharField()
     # Strings, so prices stay exact decimals in JSON.
@@ -69,6 +76,38 @@ class ModelListApi(APIView):
     @extend_schema(responses=FamilyOutput(many=True))
     def get(self, request: Request) -> Response:
         return Response(FamilyOutput(selectors.family_list(), many=True).data)
+
+
+class VersionProfile(serializers.Serializer):
+    """The replica profile's facts the gateway reads with a version (all optional on input:
+    a PATCH sets those given)."""
+
+    name = serializers.CharField(read_only=True)
+    prefill_tokens_per_s = serializers.IntegerField(
+        min_value=0, max_value=2**31 - 1, required=False, help_text="0 = unknown."
+    )
+    ttft_target_ms = serializers.IntegerField(min_value=1, max_value=2**31 - 1, required=False)
+    prefill_attention_share = serializers.FloatField(
+        min_value=0.0,
+        max_value=1.0,
+        required=False,
+        help_text="Share of the threshold prompt's prefill time that is attention; 0 = unknown.",
+    )
+
+    def validate_prefill_attention_share(self, value: float) -> float:
+        if not math.isfinite(value):  # "NaN" passes the bounds (every comparison is false)
+            raise serializers.ValidationError("A share between 0 and 1 (0 = unknown).")
+        return value
+
+
+class VersionProfileApi(APIView):
+    @extend_schema(request=VersionProfile, responses={200: VersionProfile})
+    def patch(self, request: Request, version: str) -> Response:
+        _require(request, CHANGE_PROFILE)
+        data = VersionProfile(data=request.data, partial=True)
+        data.is_valid(raise_exception=True)
+        row = services.version_profile_update(version=_version(version), **data.validated_data)
+        return Response(VersionProfile(row).data)
 
 
 PRICE = {"max_digits": 12, "decimal_places": 6, "min_value": 0}

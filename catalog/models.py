@@ -86,6 +86,17 @@ class ModelVersion(models.Model):
     ttft_target_ms = models.PositiveIntegerField(
         default=1000, validators=[MinValueValidator(1)], help_text="TTFT target."
     )
+    # The share of the threshold prompt's prefill time that is attention (the part that
+    # grows with the context), from the replica profile: with the prefill rate the gateway
+    # estimates a long prompt's first token from it. 0 = not measured: the gateway's default.
+    prefill_attention_share = models.FloatField(
+        default=0.0,
+        validators=[MinValueValidator(0.0), MaxValueValidator(1.0)],
+        help_text=(
+            "Share of the long-context threshold prompt's prefill time that is attention, "
+            "0 to 1; 0 = unknown (the gateway's default)."
+        ),
+    )
     # The currency the version's prices are quoted in; the prices themselves are
     # effective-dated rows of ModelPrice (catalog.services.price_change writes them).
     currency = models.CharField(max_length=3, default="usd")
@@ -142,6 +153,11 @@ class ModelVersion(models.Model):
                 name="catalog_version_sizes_positive",
             ),
             models.CheckConstraint(
+                condition=Q(prefill_attention_share__gte=0) & Q(prefill_attention_share__lte=1),
+                name="catalog_version_attention_share_range",
+                violation_error_message="The prefill attention share is between 0 and 1.",
+            ),
+            models.CheckConstraint(
                 condition=Q(is_active=True) | Q(is_current=False),
                 name="catalog_current_version_is_active",
             ),
@@ -175,6 +191,10 @@ class ModelVersion(models.Model):
             )
         if not self.supports_logprobs and self.max_top_logprobs:
             errors["max_top_logprobs"] = "top_logprobs needs supports_logprobs."
+        share = self.prefill_attention_share
+        if share is not None and not (isinstance(share, int | float) and 0 <= share <= 1):
+            # NaN passes the min/max validators (every comparison is false)
+            errors["prefill_attention_share"] = "A share between 0 and 1 (0 = unknown)."
         if errors:
             raise ValidationError(errors)
 

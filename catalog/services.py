@@ -30,6 +30,7 @@ VERSION_FIELDS = (
     "kv_bytes_per_token",
     "tpot_target_ms",
     "kv_capacity_tokens",
+    "prefill_attention_share",
     *PRICE_FIELDS,
     "currency",
     "is_active",
@@ -319,6 +320,26 @@ def version_upsert(
             actor_label=actor_label,
             reason=price_reason,
         )
+    return version
+
+
+# The replica profile's facts the gateway reads with a version (ModelVersionRecord), which
+# an operator may correct on a version in service (``version_profile_update``).
+PROFILE_FIELDS = ("prefill_tokens_per_s", "ttft_target_ms", "prefill_attention_share")
+
+
+@transaction.atomic
+def version_profile_update(*, version: ModelVersion, **values: Any) -> ModelVersion:
+    """Set ``values`` (``PROFILE_FIELDS`` only) on the version, checked as the model checks
+    them (ValidationError, nothing written); the read model's hooks push the catalog."""
+    unknown = sorted(set(values) - set(PROFILE_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown profile fields: {unknown}")
+    version = ModelVersion.objects.select_for_update().get(pk=version.pk)
+    for field, value in values.items():
+        setattr(version, field, value)
+    version.full_clean()
+    version.save(update_fields=list(values) or None)
     return version
 
 

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, TypeVar
 
 import orjson
 
 SCHEMA_VERSION = 1
+
+_R = TypeVar("_R")
 
 PREFIX = "fw:cfg:"
 VERSION_KEY = PREFIX + "version"
@@ -162,6 +164,10 @@ class ModelVersionRecord:
     # unknown) and the TTFT target: together they say which prompts are long contexts.
     prefill_tokens_per_s: float = 0.0
     ttft_target_ms: int = 1000
+    # The share of the threshold prompt's prefill time that is attention (the part that
+    # grows with the context; emulator/profiles.py's ``prefill_attention_share``). 0 =
+    # unknown (a record from an older control plane): the gateway's configured default.
+    prefill_attention_share: float = 0.0
     # Capabilities (absent in older records: off, as before they existed).
     supports_tools: bool = False
     tool_call_parser: str = ""
@@ -204,27 +210,37 @@ def _load(raw: bytes | str) -> dict[str, Any]:
     return data
 
 
+def _known(cls: type[_R], data: dict[str, Any]) -> _R:
+    """``cls`` from the fields it knows. A field a newer control plane added is left out
+    (added fields are optional, with a default), so gateways and the control plane may be
+    upgraded in either order; a missing field without a default still fails."""
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
 def load_key(raw: bytes | str) -> KeyRecord:
     data = _load(raw)
     data["scopes"] = tuple(data["scopes"])
-    data["limits"] = {fam: KeyLimitRecord(**lim) for fam, lim in data.get("limits", {}).items()}
-    return KeyRecord(**data)
+    data["limits"] = {
+        fam: _known(KeyLimitRecord, lim) for fam, lim in data.get("limits", {}).items()
+    }
+    return _known(KeyRecord, data)
 
 
 def load_tenant(raw: bytes | str) -> TenantRecord:
     data = _load(raw)
-    data["limits"] = {fam: LimitRecord(**lim) for fam, lim in data["limits"].items()}
-    return TenantRecord(**data)
+    data["limits"] = {fam: _known(LimitRecord, lim) for fam, lim in data["limits"].items()}
+    return _known(TenantRecord, data)
 
 
 def load_catalog(raw: bytes | str) -> Catalog:
     data = _load(raw)
     versions = {}
     for name, v in data["versions"].items():
-        v["replicas"] = tuple(ReplicaRecord(**r) for r in v["replicas"])
-        versions[name] = ModelVersionRecord(**v)
+        v["replicas"] = tuple(_known(ReplicaRecord, r) for r in v["replicas"])
+        versions[name] = _known(ModelVersionRecord, v)
     return Catalog(families=dict(data["families"]), versions=versions)
 
 
 def load_change(raw: bytes | str) -> Change:
-    return Change(**_load(raw))
+    return _known(Change, _load(raw))

@@ -198,6 +198,35 @@ LLAMA_8B_TP1_H100 = Profile(
 )
 
 
+def long_context_threshold_tokens(profile: Profile, ttft_s: float | None = None) -> int:
+    """The shortest prompt whose lone prefill takes at least ``ttft_s`` (model time; default
+    the profile's TTFT target): the long-context threshold, where the prefill rate the
+    control plane pushes for a version is measured. ``max_model_len`` when no prompt the
+    profile takes reaches it."""
+    ttft = profile.ttft_target_ms / 1000 if ttft_s is None else ttft_s
+    lo, hi = 1, max(2, profile.max_model_len)
+    if profile.prefill_seconds(hi) < ttft:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if profile.prefill_seconds(mid) < ttft else (lo, mid)
+    return hi
+
+
+def prefill_attention_share(profile: Profile, ttft_s: float | None = None) -> float:
+    """The share of the threshold prompt's prefill time that is attention (the part of a
+    prefill's cost that grows with the context, ``attn_flops_per_token_ctx``): 1 minus the
+    matmuls' share of ``prefill_flops`` at ``long_context_threshold_tokens``. With it and
+    the threshold rate, the gateway's ``a*n + b*n*n`` prefill estimate
+    (gateway/admission/estimates.py, ``prefill_expected_seconds``) is this cost model's
+    exactly; the control plane pushes it with the version (``prefill_attention_share``).
+    About 0.10 for the realistic 70B profile and 0.28 for the 8B one; 0 without an
+    attention term (the design profiles)."""
+    n0 = long_context_threshold_tokens(profile, ttft_s)
+    total = profile.prefill_flops(n0)
+    return max(0.0, 1.0 - n0 * profile.flops_per_token / total) if total > 0 else 0.0
+
+
 def design_profile(base: Profile, prefill_tokens_per_s: float) -> Profile:
     """``base`` with the design's flat prefill rate: no attention term, and the MFU that
     makes the matmuls alone run at ``prefill_tokens_per_s`` (decode tokens at the same rate,

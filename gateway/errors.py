@@ -7,9 +7,37 @@ The status codes are what the official ``openai`` client maps to its exception c
 
 from __future__ import annotations
 
+import math
 import random
 
 import orjson
+
+# The openai Python SDK honours ``retry-after-ms`` / ``retry-after`` only up to a bound: 60 s in
+# its 1.x releases (a longer one it ignores and retries on its own 0.5-8 s backoff, sooner than
+# told, to be refused again), 120 s in the release bench/loadgen.py models (a longer one is not
+# retried at all). No retry-after the gateway sends is longer than the lower of the two.
+RETRY_AFTER_CAP_MS = 60_000
+
+
+def retry_after_headers(wait_ms: float) -> dict[str, str]:
+    """``retry-after`` (whole seconds, rounded up) and OpenAI's ``retry-after-ms``, saying the
+    same wait: at least 1 ms, at most ``RETRY_AFTER_CAP_MS``."""
+    told = min(RETRY_AFTER_CAP_MS, max(1, math.ceil(wait_ms)))
+    return {"retry-after": str(math.ceil(told / 1000)), "retry-after-ms": str(told)}
+
+
+def _consistent_retry_after(headers: dict[str, str]) -> dict[str, str]:
+    """A refusal's headers with its retry-after written as ``retry_after_headers`` writes
+    it (both headers, capped), from ``retry-after-ms`` when given, else ``retry-after``:
+    whichever refusal sets one, the response says one capped wait in both."""
+    ms, secs = headers.get("retry-after-ms"), headers.get("retry-after")
+    try:
+        wait = float(ms) if ms is not None else float(secs) * 1000 if secs is not None else None
+    except ValueError:
+        return headers
+    if wait is None or not math.isfinite(wait):
+        return headers
+    return {**headers, **retry_after_headers(wait)}
 
 
 class ApiError(Exception):
@@ -30,7 +58,7 @@ class ApiError(Exception):
         self.message = message
         self.code = code
         self.param = param
-        self.headers: dict[str, str] = dict(headers or {})
+        self.headers: dict[str, str] = _consistent_retry_after(dict(headers or {}))
         if status is not None:
             self.status = status
         if type is not None:
@@ -135,7 +163,7 @@ def jittered_retry_after(
     instant (docs/design.md R6: an unjittered Retry-After creates the herd it was meant to prevent).
     """
     delay = base_s + (rng or random).uniform(0.0, spread_s)
-    return {"retry-after": str(max(1, round(delay))), "retry-after-ms": str(int(delay * 1000))}
+    return retry_after_headers(delay * 1000)
 
 
 def capacity_unavailable(

@@ -52,6 +52,10 @@ class DemoVersion:
     tensor_parallel_size: int
     tool_call_parser: str
     emulator_profile: str
+    # The share of the threshold prompt's prefill time that is attention on that profile
+    # (emulator/profiles.py's ``prefill_attention_share``, to 4 places; the control plane
+    # does not import the emulator, tests/controlplane/test_readmodel.py checks the figure).
+    prefill_attention_share: float
     # Capabilities of the replicas (the emulator serves all of them, as vLLM does for
     # Llama 3.x with --enable-auto-tool-choice --tool-call-parser llama3_json).
     supports_tools: bool = True
@@ -88,6 +92,7 @@ class DemoVersion:
             tensor_parallel_size=self.tensor_parallel_size,
             tool_call_parser=self.tool_call_parser,
             emulator_profile=self.emulator_profile,
+            prefill_attention_share=self.prefill_attention_share,
             is_active=True,
             actor_label="system:seed_demo",
             price_reason="The demo catalog's price (tenants/demo.py).",
@@ -114,6 +119,7 @@ MODELS = (
         tensor_parallel_size=4,
         tool_call_parser="llama3_json",
         emulator_profile="llama-70b-tp4-h100",
+        prefill_attention_share=0.1043,
     ),
     DemoVersion(
         "llama-8b",
@@ -130,6 +136,7 @@ MODELS = (
         tensor_parallel_size=1,
         tool_call_parser="llama3_json",
         emulator_profile="llama-8b-tp1-h100",
+        prefill_attention_share=0.2837,
     ),
 )
 

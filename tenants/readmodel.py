@@ -136,6 +136,7 @@ def catalog_record() -> schema.Catalog:
             kv_capacity_tokens=v.kv_capacity_tokens,
             prefill_tokens_per_s=float(v.prefill_tokens_per_s),
             ttft_target_ms=v.ttft_target_ms,
+            prefill_attention_share=v.prefill_attention_share,
             supports_tools=v.supports_tools,
             tool_call_parser=v.tool_call_parser,
             supports_structured_output=v.supports_structured_output,

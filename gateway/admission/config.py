@@ -182,7 +182,9 @@ class AdmissionConfig:
     # The share of the threshold prompt's prefill time that is attention (the part that
     # grows with the context): estimates.prefill_expected_seconds, the first-token time a
     # long prefill's lease records and a refusal for a full prefill slot is told to wait
-    # for. 0.10 is the realistic 70B profile's (emulator/profiles.py; 0.28 for the 8B one).
+    # for. Each version's own is pushed with it (ModelVersionRecord.prefill_attention_share);
+    # this is the default for a version pushed without one (an older control plane). 0.10
+    # is the realistic 70B profile's (emulator/profiles.py; 0.28 for the 8B one).
     long_prefill_attention_share: float = 0.10
     # A tenant competes for the long-context budget (max-min fair share) while it asked for
     # it within this window.

@@ -62,6 +62,7 @@ from gateway.admission.config import VLLM_PRIORITY, AdmissionConfig, EffectiveCl
 from gateway.admission.early import Headroom, Undecided, early_dispatch_allowed
 from gateway.admission.estimates import (
     KV_MILLI,
+    attention_share,
     est_out_for_kv,
     expected_duration_ms,
     long_context_threshold,
@@ -248,7 +249,9 @@ class AdmissionController:
         shared = sum(1 for r in version.replicas if r.pool != "reserved")
         budget, slots = long_context_budget(version, max(1, shared), plan, cfg)
         prefill_s = prefill_expected_seconds(
-            req.prompt_tokens_est, version, cfg.long_prefill_attention_share
+            req.prompt_tokens_est,
+            version,
+            attention_share(version, cfg.long_prefill_attention_share),
         )
         very_long = is_very_long(prefill_s, version.ttft_target_ms, cfg)
         # a lane prompt beside a very long prefill runs in what that one leaves of each step

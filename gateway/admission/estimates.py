@@ -96,6 +96,15 @@ def prefill_bound_seconds(prompt_tokens: int, version: ModelVersionLike) -> floa
     return linear * max(1.0, prompt_tokens / long_context_threshold(version))
 
 
+def attention_share(version: ModelVersionLike, default: float) -> float:
+    """The share of the threshold prompt's prefill time that is attention on the version's
+    replica profile, as the control plane pushed it with the version; ``default``
+    (``AdmissionConfig.long_prefill_attention_share``) when it pushed none (0: an older
+    control plane, or a version whose profile was not measured)."""
+    share = float(version.prefill_attention_share)
+    return min(1.0, share) if share > 0 else default
+
+
 def prefill_expected_seconds(
     prompt_tokens: int, version: ModelVersionLike, attention_share: float
 ) -> float:
@@ -103,10 +112,10 @@ def prefill_expected_seconds(
     attention included: the cost model's ``a*n + b*n*n`` (see ``prefill_bound_seconds``)
     with ``attention_share`` of the threshold prompt's time taken as attention, i.e.
     ``(1 - share) * prefill_seconds + share * prefill_bound_seconds``. The pushed rate
-    alone cannot split the two terms; the share is the replica profile's (0.10 for the
-    realistic 70B profile of emulator/profiles.py at its 1 s threshold, whose 128k prompt
-    this puts at 20.3 s against the model's 20.7 s; ``AdmissionConfig``'s
-    ``long_prefill_attention_share``). 0 when the rate is unknown."""
+    alone cannot split the two terms; the share is the replica profile's, pushed with the
+    version (``attention_share``: 0.10 for the realistic 70B profile of
+    emulator/profiles.py at its 1 s threshold, whose 128k prompt this puts at 20.3 s
+    against the model's 20.7 s; 0.28 for the 8B one). 0 when the rate is unknown."""
     share = min(1.0, max(0.0, attention_share))
     linear = prefill_seconds(prompt_tokens, version)
     return (1 - share) * linear + share * prefill_bound_seconds(prompt_tokens, version)

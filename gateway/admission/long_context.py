@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from contracts.schema import ModelVersionRecord as ModelVersionLike
 from gateway.admission.classes import occupancy_ceiling
 from gateway.admission.config import AdmissionConfig, EffectiveClass
-from gateway.admission.estimates import prefill_expected_seconds
+from gateway.admission.estimates import attention_share, prefill_expected_seconds
 from gateway.admission.placement import long_context_replicas
 from gateway.admission.retry import long_context_retry_latest_ms
 
@@ -59,7 +59,8 @@ def lane_prefill_seconds(
     refusal for the busy lane told the lone estimate ran out of retries
     (bench/results/nn_lane/README.md)."""
     ctx = max(1, version.context_length)
-    pace = prefill_expected_seconds(ctx, version, cfg.long_prefill_attention_share) / ctx
+    share_of_attention = attention_share(version, cfg.long_prefill_attention_share)
+    pace = prefill_expected_seconds(ctx, version, share_of_attention) / ctx
     share = cfg.long_prefill_step_share
     return max(0, prompt_tokens) * pace * share / (1 - share)
 
@@ -236,9 +237,9 @@ def yields_to_waiting(
     noisy-neighbour benchmark found one slot held empty for seconds while two tenants were
     refused eight times yielding to a third not yet due back,
     bench/results/nn_retry_after/README.md). A waiter with no due-back recorded, or no
-    ``first_token_at`` given (the fleet simulation's clients do not read retry-after),
-    counts as due now: the rule as before. An estimate that runs long can still be in the
-    slot when the waiter returns; it then waits for that prefill's first token
+    ``first_token_at`` given (the herd simulation's ledger: its refused requests never
+    come back), counts as due now: the rule as before. An estimate that runs long can
+    still be in the slot when the waiter returns; it then waits for that prefill's first token
     (``long_context_wait_ms``), as it would for any running prefill.
 
     The KV clause keeps every waiter ahead: a prefill slot frees at the first token but the

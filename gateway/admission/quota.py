@@ -117,8 +117,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.admission.config import AdmissionConfig, Layer
 from gateway.admission.ratelimit import LocalBucket, RateLimitState, bucket_reset_ms
-from gateway.admission.retry import WindowCounts, retry_shed
+from gateway.admission.retry import CAPPED_SPREAD_MS, WindowCounts, retry_shed
 from gateway.admission.scriptchannel import Arg, ClusterScriptChannel, LuaScript, ScriptChannel
+from gateway.errors import RETRY_AFTER_CAP_MS
 
 log = logging.getLogger("fairway.gateway.limits")
 
@@ -162,7 +163,11 @@ LONG_READ_INTERVAL_S = 0.25
 # entry counts until its score plus the window (``waiting_score``)). Prepended to the scripts
 # that touch it: on a single Redis the admit and settle scripts take the ledger's keys beside
 # the tenant's; on a cluster ``LONG_CONTEXT_LUA`` runs them alone on the ledger's slot.
-LEDGER_LUA = """
+LEDGER_LUA = (
+    f"""
+local RETRY_AFTER_CAP_MS, CAPPED_SPREAD_MS = {RETRY_AFTER_CAP_MS}, {CAPPED_SPREAD_MS}
+"""
+    + """
 local function lc_drop(l, e, id)
   local n = 0
   local v = redis.call('HGET', l, id)
@@ -260,10 +265,17 @@ local function lc_wait(all, now, slots_bound, kv_bound, long_only)
   end
   return math.max(1000, at - now)
 end
--- The latest retry-after a long-context 503 asks for when the budget says ``wait`` (retry.py's
--- long_context_retry_latest_ms).
+-- The range a long-context 503's retry-after is drawn from when the budget says ``wait``:
+-- earliest and latest (retry.py's long_context_retry_earliest_ms / _latest_ms: from the wait
+-- plus up to half of it, or, past RETRY_AFTER_CAP_MS, ending at the cap, told_range).
+local function lc_told(wait)
+  local base, width = math.max(wait, 1000), math.max(1000, math.ceil(wait / 2))
+  local high = math.min(base + width, RETRY_AFTER_CAP_MS)
+  return math.ceil(math.min(base, high - math.min(width, CAPPED_SPREAD_MS))), high
+end
 local function lc_told_latest(wait)
-  return math.max(wait, 1000) + math.max(1000, math.ceil(wait / 2))
+  local _, high = lc_told(wait)
+  return high
 end
 -- max-min fair level of ``budget`` for ``tenant`` (long_context.py's fair_level): the
 -- requester and every waiting tenant want more; the others want what they hold (``held``:
@@ -408,9 +420,9 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
   redis.call('ZADD', w, 'GT', score, tenant)
   local ttl = score - now + window + 60000
   if redis.call('PTTL', w) < ttl then redis.call('PEXPIRE', w, ttl) end
-  -- when it is due back at the earliest (its told wait before jitter), for the backfill;
+  -- when it is due back at the earliest (the earliest retry it is told, lc_told), for the backfill;
   -- the ledger lives at least as long as the waiting entry
-  redis.call('HSET', l, 'd:' .. tenant, (now + math.ceil(wait)) .. ':' .. math.floor(prefill_ms)
+  redis.call('HSET', l, 'd:' .. tenant, (now + lc_told(wait)) .. ':' .. math.floor(prefill_ms)
                                         .. (very_long and '' or ':s'))
   if redis.call('PTTL', l) < ttl then redis.call('PEXPIRE', l, ttl) end
   return wait
@@ -433,6 +445,7 @@ local function lc_charge(l, e, w, now, rid, tenant, need, hold_ms, expected_ms, 
   redis.call('PEXPIRE', e, lease_ms + 60000)
 end
 """
+)
 
 # The long-context ledger alone, on its own slot (Redis Cluster; see the module doc).
 # ARGV: 'claim', lease id, tenant, need (0: only read the total), budget, prefill slots,

@@ -1,5 +1,6 @@
 """Retry-After jitter and the retry budget (docs/design.md R6): no two clients are told the
-same instant, and retries above a share of admitted traffic are shed first.
+same instant, none is told more than 60 s (``RETRY_AFTER_CAP_MS``: the longest wait every
+openai SDK release honours), and retries above a share of admitted traffic are shed first.
 """
 
 from __future__ import annotations
@@ -11,11 +12,29 @@ from typing import Literal
 
 from contracts.schema import AdmissionClass
 from gateway.admission.config import AdmissionConfig
+from gateway.errors import RETRY_AFTER_CAP_MS, retry_after_headers
+
+# A wait past the cap (RETRY_AFTER_CAP_MS) is told as a range that ends at the cap and is this
+# wide (or the jitter's own width, when less): clients refused together still come back
+# spread out, not all at the cap's instant.
+CAPPED_SPREAD_MS = 10_000
+
+
+def told_range(base_ms: float, width_ms: float) -> tuple[float, float]:
+    """The range [low, high] a retry-after is drawn from: [base, base + width], or, when that
+    ends past ``RETRY_AFTER_CAP_MS``, one ending at the cap, at least
+    min(width, ``CAPPED_SPREAD_MS``) wide. A wait the cap shortens means a retry that may be
+    refused again; one the SDK ignores means several, sooner."""
+    base, width = max(0.0, base_ms), max(0.0, width_ms)
+    high = min(base + width, RETRY_AFTER_CAP_MS)
+    return min(base, high - min(width, CAPPED_SPREAD_MS)), high
 
 
 def jittered_ms(base_ms: float, width_ms: float, rng: random.Random) -> int:
-    """base + uniform[0, width]: no two clients are told the same instant."""
-    return max(1, math.ceil(max(0.0, base_ms) + rng.uniform(0.0, max(0.0, width_ms))))
+    """Uniform over ``told_range`` (base + uniform[0, width] below the cap): no two clients
+    are told the same instant, and none is told more than ``RETRY_AFTER_CAP_MS``."""
+    low, high = told_range(base_ms, width_ms)
+    return min(RETRY_AFTER_CAP_MS, max(1, math.ceil(low + rng.uniform(0.0, high - low))))
 
 
 def quota_retry_after_ms(frees_in_ms: float, cfg: AdmissionConfig, rng: random.Random) -> int:
@@ -36,10 +55,17 @@ def long_context_retry_after_ms(frees_in_ms: float, rng: random.Random) -> int:
 
 
 def long_context_retry_latest_ms(frees_in_ms: int) -> int:
-    """The latest ``long_context_retry_after_ms`` can ask for (the admit script in
-    gateway/admission/quota.py keeps a waiting tenant until then, ``lc_told_latest``)."""
-    base, width = _long_context_window(frees_in_ms)
-    return int(base + width)
+    """The latest ``long_context_retry_after_ms`` can ask for, capped as it is (the admit
+    script in gateway/admission/quota.py keeps a waiting tenant until then,
+    ``lc_told_latest``)."""
+    return int(told_range(*_long_context_window(frees_in_ms))[1])
+
+
+def long_context_retry_earliest_ms(frees_in_ms: int) -> int:
+    """The earliest ``long_context_retry_after_ms`` can ask for, capped as it is: when the
+    refused client is due back at the earliest (the admit script records it for the
+    backfill, ``lc_told``)."""
+    return math.ceil(told_range(*_long_context_window(frees_in_ms))[0])
 
 
 def capacity_retry_after_ms(cfg: AdmissionConfig, rng: random.Random) -> int:
@@ -54,11 +80,9 @@ def storm_retry_after_ms(cfg: AdmissionConfig, rng: random.Random) -> int:
 
 
 def retry_headers(retry_after_ms: int) -> dict[str, str]:
-    """``retry-after`` (whole seconds, rounded up) and OpenAI's ``retry-after-ms``."""
-    return {
-        "retry-after": str(max(1, math.ceil(retry_after_ms / 1000))),
-        "retry-after-ms": str(retry_after_ms),
-    }
+    """``retry-after`` (whole seconds, rounded up) and OpenAI's ``retry-after-ms``, capped at
+    ``RETRY_AFTER_CAP_MS`` (gateway/errors.py's ``retry_after_headers``)."""
+    return retry_after_headers(retry_after_ms)
 
 
 def in_retry_storm(admitted: int, retries: int, cfg: AdmissionConfig) -> bool:

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import re
 import time
 from collections import OrderedDict
@@ -23,7 +22,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.errors import ApiError, RateLimited
+from gateway.errors import ApiError, RateLimited, retry_after_headers
 
 
 def header_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
@@ -172,10 +171,7 @@ class RecentRefusals:
             return
         # The same answer as the refusal it repeats, its (jittered) delay counted down.
         left = told - now
-        headers = dict(refusal.headers)
-        if "retry-after-ms" in headers:
-            headers["retry-after-ms"] = str(max(1, int(left * 1000)))
-        headers["retry-after"] = str(max(1, math.ceil(left)))
+        headers = {**refusal.headers, **retry_after_headers(left * 1000)}
         raise RateLimited(refusal.message, code=refusal.code, type=refusal.type, headers=headers)
 
     def __len__(self) -> int:

@@ -9,6 +9,7 @@ expiry, and is checked against the emulator's replica cost model."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections import Counter
 from dataclasses import replace
@@ -20,10 +21,17 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from contracts import schema
-from emulator.profiles import LLAMA_8B_TP1_H100, LLAMA_70B_TP4_H100, Profile
+from emulator.profiles import (
+    LLAMA_8B_TP1_H100,
+    LLAMA_70B_TP4_H100,
+    Profile,
+    long_context_threshold_tokens,
+    prefill_attention_share,
+)
 from gateway.admission import long_context
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.estimates import (
+    attention_share,
     long_context_threshold,
     prefill_bound_seconds,
     prefill_expected_seconds,
@@ -39,7 +47,13 @@ from gateway.admission.quota import (
     long_context_tag,
     prefilling,
 )
-from gateway.admission.retry import long_context_retry_after_ms, long_context_retry_latest_ms
+from gateway.admission.retry import (
+    CAPPED_SPREAD_MS,
+    long_context_retry_after_ms,
+    long_context_retry_earliest_ms,
+    long_context_retry_latest_ms,
+)
+from gateway.errors import RETRY_AFTER_CAP_MS
 from gateway.redis_client import connect
 from tests.admission.test_limits import BASE as QUOTA_BASE
 
@@ -820,10 +834,7 @@ async def test_script_decides_as_the_pure_rule(
 def threshold_version(profile: Profile, ttft_ms: int = 1000) -> schema.ModelVersionRecord:
     """A version of ``profile`` pushed as the control plane would: the prefill rate at the
     long-context threshold (the prompt whose lone prefill takes the TTFT target)."""
-    lo, hi = 1, profile.max_model_len
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if profile.prefill_seconds(mid) < ttft_ms / 1000 else (lo, mid)
+    hi = long_context_threshold_tokens(profile, ttft_ms / 1000)
     return schema.ModelVersionRecord(
         version="v",
         family="f",
@@ -987,30 +998,98 @@ async def test_script_counts_prefills_until_their_first_token_as_the_pure_rule(
 # -- when a refused ask comes back: the running prefill's expected first token ---------------
 
 
-def test_the_expected_prefill_matches_the_replica_cost_model() -> None:
+@pytest.mark.parametrize("profile", [LLAMA_70B_TP4_H100, LLAMA_8B_TP1_H100], ids=lambda p: p.name)
+def test_the_expected_prefill_matches_the_replica_cost_model(profile: Profile) -> None:
     """The estimate a lease records for its first token (attention included) against the
-    emulator's replica cost model (emulator/profiles.py) for the prompts the budget sees:
-    within 3 % for the realistic 70B profile with the default attention share, where the
-    linear estimate is half of it at 128k; exact for the 8B profile given its own share.
-    It lies between the linear estimate and the upper bound."""
-    share = AdmissionConfig().long_prefill_attention_share
-    version = threshold_version(LLAMA_70B_TP4_H100)
+    emulator's replica cost model (emulator/profiles.py) for the prompts the budget sees,
+    each profile with its own attention share as the control plane pushes it
+    (``prefill_attention_share``: 0.10 for the realistic 70B profile, 0.28 for the 8B one):
+    within 3 %, where the linear estimate is half of it at 128k on the 70B profile. It lies
+    between the linear estimate and the upper bound. The gateway's default share (a version
+    pushed without one) is the 70B profile's; on the 8B profile it is off by over 10 %."""
+    share = prefill_attention_share(profile)
+    version = replace(threshold_version(profile), prefill_attention_share=share)
+    assert attention_share(version, AdmissionConfig().long_prefill_attention_share) == share
+    assert long_context_threshold(version) == long_context_threshold_tokens(profile)
     for n in (32_768, 65_536, 131_072):
-        real = LLAMA_70B_TP4_H100.prefill_seconds(n)
+        real = profile.prefill_seconds(n)
         expected = prefill_expected_seconds(n, version, share)
         assert expected == pytest.approx(real, rel=0.03), n
         assert prefill_seconds(n, version) < expected < prefill_bound_seconds(n, version)
-    assert prefill_seconds(131_072, version) < 0.55 * LLAMA_70B_TP4_H100.prefill_seconds(131_072)
-    small = threshold_version(LLAMA_8B_TP1_H100)
-    n0 = long_context_threshold(small)
-    own = 1 - n0 * LLAMA_8B_TP1_H100.flops_per_token / LLAMA_8B_TP1_H100.prefill_flops(n0)
-    for n in (32_768, 65_536, 131_072):
-        assert prefill_expected_seconds(n, small, own) == pytest.approx(
-            LLAMA_8B_TP1_H100.prefill_seconds(n), rel=0.01
-        )
+    n0 = long_context_threshold(version)
     # below the threshold, and with nothing pushed, as the linear estimate
-    assert prefill_expected_seconds(n0 // 2, small, own) == prefill_seconds(n0 // 2, small)
-    assert prefill_expected_seconds(n0, replace(small, prefill_tokens_per_s=0.0), own) == 0.0
+    assert prefill_expected_seconds(n0 // 2, version, share) == prefill_seconds(n0 // 2, version)
+    assert prefill_expected_seconds(n0, replace(version, prefill_tokens_per_s=0.0), share) == 0.0
+
+
+def test_the_shares_of_the_two_profiles_and_the_default() -> None:
+    default = AdmissionConfig().long_prefill_attention_share
+    assert prefill_attention_share(LLAMA_70B_TP4_H100) == pytest.approx(default, abs=0.005)
+    assert prefill_attention_share(LLAMA_8B_TP1_H100) == pytest.approx(0.28, abs=0.005)
+    big = threshold_version(LLAMA_70B_TP4_H100)
+    assert prefill_seconds(131_072, big) < 0.55 * LLAMA_70B_TP4_H100.prefill_seconds(131_072)
+    small = threshold_version(LLAMA_8B_TP1_H100)  # pushed without a share: the default
+    real = LLAMA_8B_TP1_H100.prefill_seconds(131_072)
+    guess = prefill_expected_seconds(131_072, small, attention_share(small, default))
+    assert guess < 0.9 * real
+
+
+@settings(max_examples=200)
+@given(st.floats(allow_nan=True), st.floats(0, 1))
+def test_a_version_without_a_usable_share_takes_the_default(pushed: float, default: float) -> None:
+    version = replace(threshold_version(LLAMA_8B_TP1_H100), prefill_attention_share=pushed)
+    got = attention_share(version, default)
+    if pushed > 0:
+        assert got == min(1.0, pushed)
+    else:  # 0 (an older control plane), negative or NaN
+        assert got == default
+
+
+async def test_a_long_lease_records_the_first_token_its_versions_share_gives(
+    redis_url: str, aredis: aioredis.Redis
+) -> None:
+    """Two versions of the 8B profile, pushed with the same rate and TTFT target, one with
+    the profile's attention share and one without it (an older control plane: the gateway's
+    default, the 70B profile's): through the controller and the admit script, each 128k
+    lease records as its expected first token the estimate with its version's share, and
+    the one with its own share is the emulator's prefill time."""
+    from tests.admission.test_controller import VERSION, StubRegistry, request, started_controller
+
+    cfg = AdmissionConfig()
+    own = prefill_attention_share(LLAMA_8B_TP1_H100)
+    controller = await started_controller(redis_url, aredis, StubRegistry(), cfg)
+    lim = Limiter(aredis, cfg)
+    n = 131_072
+    recorded: dict[float, int] = {}
+    try:
+        for i, share in enumerate((0.0, own)):
+            version = replace(
+                threshold_version(LLAMA_8B_TP1_H100),
+                version=f"m-share-{i}",
+                family="m",
+                replicas=VERSION.replicas,
+                prefill_attention_share=share,
+            )
+            await aredis.delete(*(f"{long_context_tag(version.version)}:{s}" for s in "lew"))
+            req = replace(request("standard", prompt=n, rid=f"r{i}"), version=version)
+            ask = controller.long_context_ask(req)
+            assert ask is not None
+            d = await lim.admit(controller.quota_request(req))
+            assert d.admitted and d.grant is not None
+            tag = long_context_tag(version.version)
+            record = _text(await aredis.hget(f"{tag}:l", f"p:{d.grant.lease_id}") or b"")
+            _, admitted, due = (int(x) for x in record.split(":"))
+            recorded[share] = due - admitted
+            assert due - admitted == ask.prefill_ms
+            used = share or cfg.long_prefill_attention_share
+            assert ask.prefill_ms == math.ceil(prefill_expected_seconds(n, version, used) * 1000)
+            await lim.settle(d.grant, actual_tokens=0, refund_request=False)
+    finally:
+        await lim.aclose()
+        await controller.stop()
+    real_ms = LLAMA_8B_TP1_H100.prefill_seconds(n) * 1000
+    assert recorded[own] == pytest.approx(real_ms, rel=0.03)
+    assert recorded[0.0] < 0.9 * real_ms
 
 
 def test_the_noisy_neighbour_benchs_128k_prefill_is_expected_in_wall_time() -> None:
@@ -1024,7 +1103,8 @@ def test_the_noisy_neighbour_benchs_128k_prefill_is_expected_in_wall_time() -> N
     profile = coarse_profile(LLAMA_70B_TP4_H100, cfg.k, cfg.chunk_tokens)
     version = next(iter(catalog(cfg, profile, [], "v", "c").versions.values()))
     n = 131_072 // cfg.k
-    share = AdmissionConfig().long_prefill_attention_share
+    share = attention_share(version, AdmissionConfig().long_prefill_attention_share)
+    assert share == prefill_attention_share(profile)  # the bench pushes its profile's
     wall = profile.prefill_seconds(n) / cfg.speed
     assert prefill_expected_seconds(n, version, share) == pytest.approx(wall, rel=0.03)
     assert 13.0 < prefill_expected_seconds(n, version, share) < 14.0
@@ -1091,13 +1171,40 @@ def test_a_tenant_holding_nothing_waits_until_its_latest_retry() -> None:
 
 @given(st.integers(0, 400_000), st.integers(0, 2**32 - 1))
 def test_the_503_never_asks_past_the_latest_retry(frees_in: int, seed: int) -> None:
+    """Nor past 60 s (the openai SDK ignores a longer retry-after and comes back sooner,
+    ``RETRY_AFTER_CAP_MS``): a wait past it is told within the cap's spread below it, and
+    the earliest and latest the ledger keeps (due-back, waiting entry) are the same range's."""
     told = long_context_retry_after_ms(frees_in, random.Random(seed))
-    assert max(frees_in, 1000) <= told <= long_context_retry_latest_ms(frees_in)
+    earliest = long_context_retry_earliest_ms(frees_in)
+    latest = long_context_retry_latest_ms(frees_in)
+    assert earliest <= told <= latest <= RETRY_AFTER_CAP_MS
+    if latest < RETRY_AFTER_CAP_MS:  # under the cap: as before
+        assert earliest == max(frees_in, 1000)
+        assert latest == max(frees_in, 1000) + max(1000, math.ceil(frees_in / 2))
+    else:
+        assert earliest <= max(frees_in, 1000)
+        assert latest - earliest >= min(max(1000, frees_in // 2), CAPPED_SPREAD_MS)
+
+
+def test_a_yield_behind_several_128k_prefills_is_told_at_most_60_s() -> None:
+    """A tenant yielding to three waiters ahead, each due back in 20 s for a 128k prefill of
+    ~21 s (the 70B profile): the room is expected for it in ~83 s; it is told 50-60 s (the
+    cap), and stays waiting until 60 s plus the grace, as told."""
+    wait = long_context.yield_wait_ms(
+        1000, [(T0 + 20_000, 21_000), (T0 + 41_000, 21_000), (T0 + 62_000, 21_000)], T0
+    )
+    assert wait == 83_000
+    rng = random.Random(5)
+    told = [long_context_retry_after_ms(wait, rng) for _ in range(200)]
+    assert all(RETRY_AFTER_CAP_MS - CAPPED_SPREAD_MS <= t <= RETRY_AFTER_CAP_MS for t in told)
+    kept = long_context.waiting_score(T0, wait, 15_000, holds=False)
+    assert kept + 15_000 == T0 + RETRY_AFTER_CAP_MS + long_context.WAITING_GRACE_MS
 
 
 _WAIT_LUA = LEDGER_LUA + (
+    "local earliest, latest = lc_told(tonumber(ARGV[4]))\n"
     "return {lc_wait(redis.call('HGETALL', KEYS[1]), tonumber(ARGV[1]), ARGV[2] == '1',"
-    " ARGV[3] == '1'), lc_told_latest(tonumber(ARGV[4]))}"
+    " ARGV[3] == '1'), lc_told_latest(tonumber(ARGV[4])), earliest, latest}"
 )
 
 
@@ -1132,7 +1239,8 @@ async def test_script_waits_as_the_pure_rule(
     """The admit script's ``lc_wait`` on a ledger holding these leases (each with its
     admission record, or a record without the first-token estimate as written before it)
     says what ``long_context_wait_ms`` says, at the same clock; its ``lc_told_latest`` is
-    ``long_context_retry_latest_ms``."""
+    ``long_context_retry_latest_ms`` and its ``lc_told`` the earliest and latest of the
+    range, capped at 60 s, as retry.py's."""
     key = "lc-wait-test:l"
     await aredis.delete(key)
     fields = {"#": "7", "u:a": "7", "s:a": str(T0 - 5)}
@@ -1147,13 +1255,52 @@ async def test_script_waits_as_the_pure_rule(
     expect = long_context.long_context_wait_ms(
         leases, T0, slots_bound=slots_bound, kv_bound=kv_bound
     )
-    assert [int(v) for v in got] == [expect, long_context_retry_latest_ms(frees_in)]
+    latest = long_context_retry_latest_ms(frees_in)
+    earliest = long_context_retry_earliest_ms(frees_in)
+    assert [int(v) for v in got] == [expect, latest, earliest, latest]
+    assert latest <= RETRY_AFTER_CAP_MS
     await aredis.delete(key)
 
 
 async def _store_ms(aredis: aioredis.Redis) -> int:
     sec, usec = await aredis.time()
     return int(sec) * 1000 + int(usec) // 1000
+
+
+async def test_a_wait_past_60_s_is_kept_in_the_ledger_as_told(aredis: aioredis.Redis) -> None:
+    """a's 128k-class prefill (expected in 200 s) holds the only slot: b is refused with the
+    true wait (~200 s), but the 503 tells it at most 60 s (``RETRY_AFTER_CAP_MS``), so the
+    ledger must expect it back then: its due-back (the backfill) is the earliest it is told
+    and its waiting entry lasts until the latest plus the grace, both within 60 s, as
+    retry.py says for that wait."""
+    lim = Limiter(aredis, AdmissionConfig())
+    tag = long_context_tag("fam-v1")
+    await aredis.delete(*(f"{tag}:{s}" for s in "lew"))
+    hold = {"gib": 1, "prefill_slots": 1, "hold_ms": 600_000}
+    a = await lim.admit(q("a", prefill_ms=200_000, **hold))
+    assert a.admitted
+    window = 1_000
+    ask = q("b", prefill_ms=1, **hold)
+    assert ask.long is not None
+    ask = replace(ask, long=replace(ask.long, demand_window_ms=window))
+    before = await _store_ms(aredis)
+    b = await lim.admit(ask)
+    after = await _store_ms(aredis)
+    assert not b.admitted and b.long_context_full
+    assert b.frees_in_ms > 190_000  # the budget's own estimate is not capped
+    earliest = long_context_retry_earliest_ms(b.frees_in_ms)
+    latest = long_context_retry_latest_ms(b.frees_in_ms)
+    assert (earliest, latest) == (RETRY_AFTER_CAP_MS - CAPPED_SPREAD_MS, RETRY_AFTER_CAP_MS)
+    due, _ = _text(await aredis.hget(f"{tag}:l", "d:b") or b"").split(":")
+    assert before + earliest <= int(due) <= after + earliest
+    kept = await aredis.zscore(f"{tag}:w", "b")
+    assert kept is not None
+    grace = long_context.WAITING_GRACE_MS
+    assert before + latest + grace <= kept + window <= after + latest + grace
+    rng = random.Random(1)
+    told = {long_context_retry_after_ms(b.frees_in_ms, rng) for _ in range(100)}
+    assert earliest <= min(told) and max(told) <= latest
+    await lim.aclose()
 
 
 async def test_a_full_slot_is_waited_for_until_its_holders_first_token(
@@ -1195,11 +1342,15 @@ async def test_a_full_slot_is_waited_for_until_its_holders_first_token(
     # b holds nothing: waiting until the latest retry it was told plus the grace
     kept = await aredis.zscore(f"{tag}:w", "b")
     assert kept is not None
-    assert kept_until(after) <= kept + window <= kept_until(before)
+    # (told at most 60 s: at the cap it grows with the refusal time, below it it shrinks)
+    bounds = sorted((kept_until(before), kept_until(after)))
+    assert bounds[0] <= kept + window <= bounds[1]
     assert kept + window > due  # past a's first token: the slot is still b's turn then
-    # refused again a moment later (told a little less): the entry is not shortened
+    # refused again a moment later (told a little less, or at the 60 s cap as much from
+    # later): the entry is not shortened
     assert not (await lim.admit(ask)).admitted
-    assert await aredis.zscore(f"{tag}:w", "b") == kept
+    again = await aredis.zscore(f"{tag}:w", "b")
+    assert again is not None and again >= kept
     # a, holding some, refused: waiting from its refusal for the window only, as before
     assert not (await lim.admit(windowed(q("a", prefill_ms=60_000, **hold)))).admitted
     a_kept = await aredis.zscore(f"{tag}:w", "a")

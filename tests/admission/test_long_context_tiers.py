@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from emulator.profiles import LLAMA_70B_TP4_H100
 from gateway.admission import long_context
 from gateway.admission.config import AdmissionConfig
-from gateway.admission.estimates import prefill_expected_seconds
+from gateway.admission.estimates import attention_share, prefill_expected_seconds
 from gateway.admission.quota import LEDGER_LUA, Grant, Limiter, QuotaRequest, long_context_tag
 from gateway.redis_client import connect
 from tests.admission.test_long_context_budget import (
@@ -217,7 +217,6 @@ def test_the_tier_boundary_on_the_70b_profile() -> None:
     from tests.admission.test_long_context_budget import threshold_version
 
     cfg = AdmissionConfig()
-    share = cfg.long_prefill_attention_share
     real = threshold_version(LLAMA_70B_TP4_H100)
     nn = replace(NNConfig(), speed=1.5)
     profile = coarse_profile(LLAMA_70B_TP4_H100, nn.k, nn.chunk_tokens)
@@ -225,7 +224,11 @@ def test_the_tier_boundary_on_the_70b_profile() -> None:
     for version, k in ((real, 1), (scaled, nn.k)):
         tier = [
             long_context.is_very_long(
-                prefill_expected_seconds(n // k, version, share), version.ttft_target_ms, cfg
+                prefill_expected_seconds(
+                    n // k, version, attention_share(version, cfg.long_prefill_attention_share)
+                ),
+                version.ttft_target_ms,
+                cfg,
             )
             for n in (13_000, 30_000, 38_000, 45_000, 131_000)
         ]
@@ -488,7 +491,9 @@ def test_a_lane_prompt_beside_a_128k_prefill_gets_the_rest_of_each_step() -> Non
     profile = coarse_profile(LLAMA_70B_TP4_H100, nn.k, nn.chunk_tokens)
     version = next(iter(catalog(nn, profile, [], "v", "c").versions.values()))
     n = 20_000 // nn.k
-    alone = prefill_expected_seconds(n, version, cfg.long_prefill_attention_share)
+    alone = prefill_expected_seconds(
+        n, version, attention_share(version, cfg.long_prefill_attention_share)
+    )
     beside = long_context.lane_prefill_seconds(n, version, cfg)
     assert 1.0 < alone < 1.3 and 3.3 < beside < 4.1
     with pytest.raises(ValueError):

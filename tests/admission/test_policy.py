@@ -3,6 +3,7 @@ classes, routing, retry, ratelimit, early)."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from dataclasses import replace
@@ -15,6 +16,7 @@ from contracts import formulas
 from gateway.admission import classes, config, early, estimates, ratelimit, retry, router, routing
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.routing import ReplicaView
+from gateway.errors import RETRY_AFTER_CAP_MS
 
 CFG = AdmissionConfig()
 KIB = 1024
@@ -188,8 +190,72 @@ def test_round_robin_and_emptiest_strategies() -> None:
 
 @given(st.floats(min_value=0, max_value=120_000), st.integers(0, 2**32))
 def test_quota_retry_after_is_at_least_when_the_limit_frees(frees: float, seed: int) -> None:
+    """... unless that is past the 60 s cap (``test_no_retry_after_is_ever_above_60_s``):
+    then it is within the cap's spread below it."""
     ms = retry.quota_retry_after_ms(frees, CFG, random.Random(seed))
-    assert frees <= ms <= frees + max(CFG.quota_jitter_min_ms, frees * 0.5) + 1
+    width = max(CFG.quota_jitter_min_ms, frees * 0.5)
+    if frees + width <= CAP:
+        assert frees <= ms <= frees + width + 1
+    else:
+        assert min(frees, CAP - retry.CAPPED_SPREAD_MS) <= ms <= CAP
+
+
+CAP = RETRY_AFTER_CAP_MS
+
+
+@given(
+    st.floats(min_value=0, max_value=10_000_000),
+    st.floats(min_value=0, max_value=10_000_000),
+    st.integers(0, 2**32),
+)
+def test_no_retry_after_is_ever_above_60_s(base: float, width: float, seed: int) -> None:
+    """The openai SDK ignores a retry-after above 60 s and retries sooner (its own backoff):
+    no wait the gateway tells is longer, whatever the quota, the long-context budget or the
+    configured storm and capacity waits say, and its headers say the same capped wait."""
+    rng = random.Random(seed)
+    lo, hi = retry.told_range(base, width)
+    told = retry.jittered_ms(base, width, rng)
+    assert 1 <= told <= CAP == 60_000
+    assert lo <= hi <= CAP
+    assert max(1, math.floor(lo)) <= told <= max(1, math.ceil(hi))
+    if base + width <= CAP:  # below the cap: base + jitter, as before
+        assert (lo, hi) == (base, base + width)
+    else:  # past it: still spread, over the jitter's width up to CAPPED_SPREAD_MS
+        assert hi == CAP and hi - lo >= min(width, retry.CAPPED_SPREAD_MS) - 1e-6
+    assert retry.quota_retry_after_ms(base, CFG, rng) <= CAP
+    assert retry.long_context_retry_after_ms(base, rng) <= CAP
+    assert (
+        retry.long_context_retry_earliest_ms(int(base))
+        <= retry.long_context_retry_latest_ms(int(base))
+        <= CAP
+    )
+    wide = replace(
+        CFG,
+        storm_retry_after_s=(base / 1000 + 0.001, (base + width) / 1000 + 0.001),
+        capacity_retry_base_ms=int(base),
+        capacity_jitter_ms=int(width),
+    )
+    assert retry.storm_retry_after_ms(wide, rng) <= CAP
+    assert retry.capacity_retry_after_ms(wide, rng) <= CAP
+    headers = retry.retry_headers(int(base + width))
+    assert int(headers["retry-after-ms"]) <= CAP and int(headers["retry-after"]) <= CAP // 1000
+    assert int(headers["retry-after"]) == math.ceil(int(headers["retry-after-ms"]) / 1000)
+
+
+def test_a_429_whose_quota_frees_past_60_s_is_told_the_cap_spread_below_it() -> None:
+    """The decision for 429s: a per-minute bucket can free in 90 s. Told 90 s, the SDK
+    ignores it and spends its retries within seconds, each refused; told at most 60 s, it
+    waits, and its retry is refused at worst once more, told the rest (under 40 s). So the
+    429 is capped like every other retry-after, its jitter kept below the cap."""
+    rng = random.Random(3)
+    told = [retry.quota_retry_after_ms(90_000, CFG, rng) for _ in range(500)]
+    assert all(CAP - retry.CAPPED_SPREAD_MS <= t <= CAP for t in told)
+    assert max(told) - min(told) > 0.9 * retry.CAPPED_SPREAD_MS  # spread, not all at 60 s
+    # the retry at <= 60 s finds the rest of the wait, told without the cap's help
+    rest = 90_000 - max(told)
+    assert rest <= retry.quota_retry_after_ms(rest, CFG, rng) < CAP
+    # under the cap: as before, from when the limit frees plus jitter
+    assert 20_000 <= retry.quota_retry_after_ms(20_000, CFG, rng) <= 30_000
 
 
 def test_jitter_bounds_and_spread() -> None:

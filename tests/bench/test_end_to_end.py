@@ -113,6 +113,19 @@ def test_fleet_sim_isolation_seeds_pool_the_reserved_class(tmp_path: Path) -> No
         fleet_sim.main([*argv, "--size-range", "4,8"])
 
 
+def test_fleet_sim_isolation_ledger_before_arm(tmp_path: Path) -> None:
+    """--lc-before: the new policy also with the simulated ledger as before it told the
+    gateway's waits, and the long-context 503s' retry-after in the runs table."""
+    argv = ["--quick", "--isolation", "--workers", "1", "--out", str(tmp_path)]
+    argv += ["--lc-before", "--skip-arm", "old (", "--report", "retry.md"]
+    assert fleet_sim.main(argv) == 0
+    report = (tmp_path / "retry.md").read_text()
+    assert "| new (isolation), 4 heavy tenants |" in report
+    assert "| new, long-context 503s as before, 4 heavy tenants |" in report
+    assert "their retry-after p50 / p95 / max s" in report
+    assert "| budget 503s (whole run) | gave up (whole run) |" in report
+
+
 def test_fleet_sim_quick(tmp_path: Path) -> None:
     assert fleet_sim.main(["--quick", "--workers", "1", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "fleet_sim.md").read_text()

@@ -14,6 +14,7 @@ from bench.fleet_sim import (
     never_served_by,
     never_served_cell,
 )
+from bench.sim import SimLease
 from emulator.profiles import get_profile
 
 
@@ -52,7 +53,7 @@ def test_a_long_prompt_the_budget_refuses_on_every_attempt_is_never_served_by_it
     cfg = FleetConfig(replicas=4, duration_s=10.0, warmup_s=0.0, gateways=1, isolation=True,
                       max_attempts=1)  # fmt: skip
     sim = FleetSim(cfg, get_profile(fleet_sim.PROFILE))
-    sim.ledger.leases["0.0"] = ("other", 1_000 * sim.kv_bytes, 100.0)  # prefilling until 100 s
+    sim.ledger.leases["0.0"] = SimLease("other", 1_000 * sim.kv_bytes, 100.0)  # prefilling
     r = SimRequest(rid=1, tenant_class="standard", prompt=20_000, output=100, arrival=1.0,
                    tenant="t1")  # fmt: skip
     assert r.prompt >= sim.long_threshold

@@ -158,6 +158,9 @@ def test_catalog_resolves_alias_to_current_version_and_keeps_pins(
     assert resolved(catalog, "llama-70b").replicas[0].pool == "reserved"
     assert resolved(catalog, version_70b.name).version == version_70b.name  # pin kept
     assert resolved(catalog, "llama-70b").kv_capacity_tokens == 565_248
+    # the replica profile's attention share, pushed with each version (0: not measured)
+    assert resolved(catalog, version_70b.name).prefill_attention_share == 0.1043
+    assert resolved(catalog, "llama-70b").prefill_attention_share == 0.0
 
 
 @pytest.mark.django_db(transaction=True)
