@@ -178,6 +178,12 @@ class FleetConfig:
     # of bench/results/fleet_sim_isolation_retry.md (told the fleet-full retry-after, 5-10 s;
     # no due-backs; waiting entries last the demand window).
     lc_told_wait: bool = True
+    # The long-context budget's lane (AdmissionConfig.short_long_prefill_slots_per_replica,
+    # the gateway's default 1): per designated replica, this many more prefill slots for
+    # long contexts that are not very long, beside the very long one. 0 = one tier (every
+    # long prefill in the one slot per designated replica), the arm of --lane-off
+    # (bench/results/fleet_sim_isolation_lane.md).
+    lane_slots: int = 1
 
     def replica_long_prefill_tokens(self, idx: int) -> int:
         """Replica ``idx``'s --long-prefill-token-threshold (the pool is replicas
@@ -195,6 +201,7 @@ class FleetConfig:
             context_placement=self.isolation,
             reserved_off_long_replicas=self.reserved_off_long,
             reserved_long_off_pool=self.reserved_long_off_pool,
+            short_long_prefill_slots_per_replica=self.lane_slots,
             layers=frozenset(layers),
         )
 
@@ -971,6 +978,7 @@ def isolation_experiments(
     reserved_long_rule_on: bool = False,
     pool_caps: tuple[int, ...] = (),
     lc_before: bool = False,
+    lane_off: bool = False,
 ) -> dict[str, FleetConfig]:
     """The several-heavy-tenants variant, old policy against new in one run: ``heavy``
     standard tenants flooding 128k prompts (at ``heavy_rates``, cycled) on top of the
@@ -985,7 +993,8 @@ def isolation_experiments(
     ``pool_caps``, each pool also with its replicas at each of those
     --long-prefill-token-threshold values (the shared replicas unchanged); with
     ``lc_before``, also the new policy with the simulated ledger as before it told waits
-    (``FleetConfig.lc_told_wait`` off)."""
+    (``FleetConfig.lc_told_wait`` off); with ``lane_off``, also the new policy without the
+    long-context budget's lane (``FleetConfig.lane_slots`` 0: one tier)."""
     base = scale.config(seed)
     if heavy_duration_s:
         base = replace(base, duration_s=heavy_duration_s, warmup_s=heavy_duration_s / 3)
@@ -999,6 +1008,8 @@ def isolation_experiments(
         out[f"new, long-context 503s as before, {heavy} heavy tenants"] = replace(
             new, lc_told_wait=False
         )
+    if lane_off:
+        out[f"new, lane off, {heavy} heavy tenants"] = replace(new, lane_slots=0)
     if reserved_rule_off:
         out[f"new, reserved on idle designated replicas, {heavy} heavy tenants"] = replace(
             new, reserved_off_long=False
@@ -2067,6 +2078,13 @@ def main(argv: list[str] | None = None) -> int:
         "due-backs, waiting entries for the demand window)",
     )
     ap.add_argument(
+        "--lane-off",
+        action="store_true",
+        help="isolation runs: also run the new policy without the long-context budget's lane "
+        "(short_long_prefill_slots_per_replica 0: every long prefill in the one slot per "
+        "designated replica, the one-tier rule)",
+    )
+    ap.add_argument(
         "--skip-arm",
         action="append",
         default=[],
@@ -2141,7 +2159,7 @@ def main(argv: list[str] | None = None) -> int:
                 chunk_cap=args.chunk_cap, reserved_pools=pools,
                 reserved_rule_off=args.reserved_rule_off,
                 reserved_long_rule_on=args.reserved_long_rule_on, pool_caps=pool_caps,
-                lc_before=args.lc_before,
+                lc_before=args.lc_before, lane_off=args.lane_off,
             )  # fmt: skip
             exps.update({k + (f", seed {seed}" if seeds else ""): v for k, v in arms.items()})
         exps = {k: v for k, v in exps.items() if not any(t in k for t in args.skip_arm)}

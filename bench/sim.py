@@ -19,20 +19,18 @@ from emulator.engine import Engine, StepResult
 from emulator.profiles import Profile, prefill_attention_share
 from emulator.replica_flags import platform_engine_config
 from gateway.admission.config import AdmissionConfig
-from gateway.admission.estimates import (
-    attention_share,
-    est_out_for_kv,
-    expected_duration_ms,
-    prefill_bound_seconds,
-    prefill_expected_seconds,
-)
+from gateway.admission.estimates import est_out_for_kv, expected_duration_ms
 from gateway.admission.long_context import (
     LeaseTimes,
+    LongContextTier,
     displaced,
     long_context_admits,
     long_context_budget,
+    long_context_lane_slots,
+    long_context_tier,
     long_context_wait_ms,
     slot_share_reached,
+    takes_a_waiters_slot,
     waiting_ahead,
     waiting_score,
     yield_wait_ms,
@@ -98,9 +96,10 @@ def heavy_arrivals(seed: int, rate_rps: float, start: float, end: float) -> list
 class SimLease:
     """One long-context lease as the admit script records it (gateway/admission/quota.py's
     lease and its 'p:' admission record): its tenant and KV bytes, the time (s) its prefill
-    slot is held until (its safety expiry, moved to its first token's arrival), and in the
+    slot is held until (its safety expiry, moved to its first token's arrival), in the
     store's ms when it was admitted, when its first token is expected and when it is
-    expected to end."""
+    expected to end, and its tier (``long_context.is_very_long``; False: it may have taken
+    the lane, the record's ':s')."""
 
     tenant: str
     kv: int
@@ -108,6 +107,7 @@ class SimLease:
     admitted_ms: int = -1
     first_token_due_ms: int = -1
     expected_end_ms: int = 0
+    very_long: bool = True
 
     def times(self) -> LeaseTimes:
         """Its times as the gateway's ``long_context_wait_ms`` reads them."""
@@ -116,7 +116,41 @@ class SimLease:
             expected_end=self.expected_end_ms,
             admitted=self.admitted_ms,
             first_token_due=self.first_token_due_ms,
+            very_long=self.very_long,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class SimDue:
+    """A refused tenant's due-back as the admit script records it ('d:<tenant>'): when it is
+    due back (ms, its refusal plus the earliest retry-after it may be told), its ask's
+    expected prefill (ms) and whether that ask was shorter than very long (the ':s')."""
+
+    at: int
+    prefill_ms: int
+    short: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Tiered:
+    """The ledger's state one ask reads (the script's ``lc_refusal`` reads it from the
+    ledger's fields): KV held, long prefills running (all, and the very long ones) per
+    tenant, and the budget's KV, very long slots and lane slots."""
+
+    usage: dict[str, int]
+    prefill_by: dict[str, int]
+    long_by: dict[str, int]
+    budget: int
+    slots: int
+    lane: int
+
+    @property
+    def prefilling(self) -> int:
+        return sum(self.prefill_by.values())
+
+    @property
+    def long_prefilling(self) -> int:
+        return sum(self.long_by.values())
 
 
 def store_ms(t: float) -> int:
@@ -133,9 +167,16 @@ class LongContextLedger:
     ``waiting_score``): leases (``SimLease``: tenant, KV bytes, prefill slot held until,
     admitted, first token expected, expected end), the tenants waiting (-> the entry's
     score, s: it counts until score plus the demand window), each refused tenant's due-back
-    (its refusal plus the earliest retry-after it may be told, and its ask's expected
-    prefill, ms), each
-    tenant's last admission, and the admissions per tenant (and when each was).
+    (``SimDue``: its refusal plus the earliest retry-after it may be told, its ask's
+    expected prefill, ms, and whether that ask was shorter than very long), each tenant's
+    last admission, and the admissions per tenant (and when each was).
+
+    The budget's two tiers as the script keeps them (``long_context_tier``: the ask's tier
+    and expected first token, the gateway's own function): ``slots`` very long prefills
+    and the lane's ``long_context_lane_slots`` more for shorter long contexts (0 when the
+    config's ``short_long_prefill_slots_per_replica`` is 0: the one-tier rule), each lease's
+    tier, the waiters' tiers (``short_waiters``), and a shorter ask admitted while a very
+    long prefill runs expected at its lane estimate (``LongContextTier.first_token_ms``).
 
     ``tells_waits`` off: the ledger before it (for the comparison arms and the herd
     simulation, whose clients do not retry): no due-backs, so the turn order has no
@@ -149,7 +190,7 @@ class LongContextLedger:
     tells_waits: bool = True
     leases: dict[str, SimLease] = field(default_factory=dict)
     waiting: dict[str, float] = field(default_factory=dict)
-    due: dict[str, tuple[int, int]] = field(default_factory=dict)
+    due: dict[str, SimDue] = field(default_factory=dict)
     served: dict[str, float] = field(default_factory=dict)
     admitted_at: dict[str, list[float]] = field(default_factory=dict)
 
@@ -158,11 +199,20 @@ class LongContextLedger:
         """The admissions per tenant."""
         return {who: len(at) for who, at in self.admitted_at.items()}
 
+    def tier(self, prompt: int) -> LongContextTier:
+        """A ``prompt``-token ask's tier and expected prefill (``long_context_tier``), as the
+        gateway's ``AdmissionController.long_context_ask`` puts them in its ask."""
+        return long_context_tier(prompt, self.version, self.adm)
+
     def prefill_ms(self, prompt: int) -> int:
-        """A ``prompt``-token ask's expected first token from admission (ms), as the
-        gateway's ``AdmissionController.long_context_ask`` puts it in its lease."""
-        share = attention_share(self.version, self.adm.long_prefill_attention_share)
-        return max(1, math.ceil(prefill_expected_seconds(prompt, self.version, share) * 1000))
+        """A ``prompt``-token ask's expected first token from admission alone (ms), as the
+        gateway's ``AdmissionController.long_context_ask`` puts it in its ask."""
+        return self.tier(prompt).prefill_ms
+
+    @property
+    def lane_slots(self) -> int:
+        """The lane's prefill slots (``long_context_lane_slots``; 0: one tier)."""
+        return long_context_lane_slots(self.shared_replicas, self.adm)
 
     def expected_ms(self, output: int) -> int:
         """How long a lease is expected to hold its KV (ms): its decode at the TPOT estimate,
@@ -195,31 +245,46 @@ class LongContextLedger:
             del self.due[who]  # a due-back outlives its waiting entry by one ask at most
         usage: dict[str, int] = {}
         prefill_by: dict[str, int] = {}
+        long_by: dict[str, int] = {}  # the very long prefills running, per tenant
         for x in self.leases.values():
             usage[x.tenant] = usage.get(x.tenant, 0) + x.kv
             if x.prefill_end > now:
                 prefill_by[x.tenant] = prefill_by.get(x.tenant, 0) + 1
+                if x.very_long:
+                    long_by[x.tenant] = long_by.get(x.tenant, 0) + 1
         budget, slots = long_context_budget(self.version, self.shared_replicas, "standard",
                                             self.adm)  # fmt: skip
-        now_ms, prefill_ms = store_ms(now), self.prefill_ms(prompt)
+        tier = self.tier(prompt)
+        lane = self.lane_slots
+        now_ms = store_ms(now)
+        # beside a running very long prefill a shorter ask expects its lane estimate (the
+        # script's lc_refusal): for the backfill, its due-back and its lease
+        prefill_ms = tier.first_token_ms(sum(long_by.values()))
         first_token_at = now_ms + prefill_ms if self.tells_waits else None
-        due = {w: at for w, (at, _) in self.due.items()}
+        due = {w: d.at for w, d in self.due.items()}
+        # the waiters whose last refused ask was shorter (the script's due-backs with ':s';
+        # one with no due-back recorded counts as very long)
+        short = {w for w, d in self.due.items() if d.short}
+        ledger = _Tiered(usage, prefill_by, long_by, budget, slots, lane)
         if long_context_admits(tenant=tenant, need=need, budget=budget, slots=slots,
-                               usage=usage, prefilling=sum(prefill_by.values()),
+                               usage=usage, prefilling=ledger.prefilling,
                                waiting=self.waiting.keys(), served=self.served,
                                prefills=prefill_by, first_token_at=first_token_at,
-                               due=due):  # fmt: skip
+                               due=due, very_long=tier.very_long, lane_slots=lane,
+                               long_prefilling=ledger.long_prefilling, long_prefills=long_by,
+                               short_waiters=short):  # fmt: skip
             self.admitted_at.setdefault(tenant, []).append(now)
             self.served[tenant] = now
-            # The prefill slot is held until the first token (``prefilled``); the bound is
+            # The prefill slot is held until the first token (``prefilled``); the hold is
             # only the gateway's safety expiry for a release that never comes.
-            hold = self.adm.long_prefill_hold_factor * prefill_bound_seconds(prompt, self.version)
-            self.leases[lease] = SimLease(tenant, need, now + hold, now_ms, now_ms + prefill_ms,
-                                          now_ms + self.expected_ms(output))  # fmt: skip
+            self.leases[lease] = SimLease(tenant, need, (now_ms + tier.hold_ms) / 1000, now_ms,
+                                          now_ms + prefill_ms,
+                                          now_ms + self.expected_ms(output),
+                                          very_long=tier.very_long)  # fmt: skip
             self.waiting.pop(tenant, None)
             self.due.pop(tenant, None)
             return None
-        wait = self._refusal_wait(tenant, need, budget, slots, usage, prefill_by, now_ms,
+        wait = self._refusal_wait(tenant, need, ledger, tier.very_long, short, now_ms,
                                   first_token_at)  # fmt: skip
         if not self.tells_waits:
             self.waiting[tenant] = now
@@ -228,47 +293,71 @@ class LongContextLedger:
         score = waiting_score(now_ms, wait, window_ms, holds=usage.get(tenant, 0) > 0)
         # never shortened (the script's ZADD GT)
         self.waiting[tenant] = max(self.waiting.get(tenant, now), score / 1000)
-        # due back at the earliest retry it is told (the script's ``lc_told``)
-        self.due[tenant] = (now_ms + long_context_retry_earliest_ms(wait), prefill_ms)
+        # due back at the earliest retry it is told (the script's ``lc_told``), with its tier
+        self.due[tenant] = SimDue(now_ms + long_context_retry_earliest_ms(wait), prefill_ms,
+                                  short=not tier.very_long)  # fmt: skip
         return wait
 
     def _refusal_wait(
         self,
         tenant: str,
         need: int,
-        budget: int,
-        slots: int,
-        usage: dict[str, int],
-        prefill_by: dict[str, int],
+        ledger: _Tiered,
+        very_long: bool,
+        short_waiters: set[str],
         now_ms: int,
         first_token_at: int | None,
     ) -> int:
         """The wait (ms) the admit script tells a refused ask (gateway/admission/quota.py's
         ``lc_refusal``, whose Python spec is ``long_context_wait_ms`` and
-        ``yield_wait_ms``): a slot refusal (every slot busy, the slot left goes to a tenant
-        waiting ahead, or the tenant runs its share of them) waits for a running prefill's
-        expected first token, any other for KV to free; a yield at least until the waiters
-        ahead are due back and through their prefill."""
-        total, prefilling = sum(usage.values()), sum(prefill_by.values())
+        ``yield_wait_ms``): a slot refusal (every slot busy, or every very long one for a
+        very long ask; the slot left goes to a tenant waiting ahead; or the tenant runs its
+        share of them) waits for a running prefill's expected first token (a very long ask
+        refused for the very long slots: a very long prefill's), any other for KV to free;
+        a yield at least until the waiters ahead are due back and through their prefill."""
+        usage, prefill_by = ledger.usage, ledger.prefill_by
+        budget, slots, lane = ledger.budget, ledger.slots, ledger.lane
+        total, prefilling = sum(usage.values()), ledger.prefilling
+        all_slots = slots + lane
         waiting = self.waiting.keys()
-        due = {w: at for w, (at, _) in self.due.items()}
+        due = {w: d.at for w, d in self.due.items()}
         ahead = waiting_ahead(tenant, waiting, self.served, usage)
-        early = len(displaced(ahead, first_token_at, due))
+        early = displaced(ahead, first_token_at, due)
+        early_short = early & short_waiters
+        slots_left = all_slots - prefilling - 1
+        long_left = slots - ledger.long_prefilling - int(very_long)
+        slot_yield = takes_a_waiters_slot(len(early - early_short), len(early_short),
+                                          very_long=very_long, slots_left=slots_left,
+                                          long_slots_left=long_left)  # fmt: skip
         yields = yields_to_waiting(tenant, waiting, self.served, usage, need=need,
-                                   slots_left=slots - prefilling - 1,
-                                   kv_left=budget - total - need,
-                                   first_token_at=first_token_at, due=due)  # fmt: skip
-        full = total + need > budget or prefilling >= slots
-        share = not full and not yields and slot_share_reached(tenant, slots, prefill_by, waiting)
-        slots_bound = prefilling >= slots or share or (yields and slots - prefilling - 1 < early)
+                                   slots_left=slots_left, kv_left=budget - total - need,
+                                   first_token_at=first_token_at, due=due,
+                                   very_long=very_long, long_slots_left=long_left,
+                                   short_waiters=short_waiters)  # fmt: skip
+        long_full = very_long and ledger.long_prefilling >= slots
+        full = total + need > budget or prefilling >= all_slots or long_full
+        # the tenant's share of all slots, or of the very long ones among the tenants waiting
+        # for one (the script's two share branches)
+        long_waiting = set(waiting) - short_waiters
+        share = (
+            not full
+            and not yields
+            and (
+                slot_share_reached(tenant, all_slots, prefill_by, waiting)
+                or (very_long and slot_share_reached(tenant, slots, ledger.long_by, long_waiting))
+            )
+        )
+        slots_bound = prefilling >= all_slots or long_full or share or (yields and slot_yield)
         wait = long_context_wait_ms(
             (x.times() for x in self.leases.values()),
             now_ms,
             slots_bound=slots_bound,
             kv_bound=not slots_bound or total + need > budget,
+            long_only=long_full,
         )
         if yields:
-            wait = yield_wait_ms(wait, [self.due[w] for w in ahead if w in self.due], now_ms)
+            back = [(self.due[w].at, self.due[w].prefill_ms) for w in ahead if w in self.due]
+            wait = yield_wait_ms(wait, back, now_ms)
         return wait
 
     def prefilled(self, lease: str, at: float) -> None:

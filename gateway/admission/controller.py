@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -62,21 +61,17 @@ from gateway.admission.config import VLLM_PRIORITY, AdmissionConfig, EffectiveCl
 from gateway.admission.early import Headroom, Undecided, early_dispatch_allowed
 from gateway.admission.estimates import (
     KV_MILLI,
-    attention_share,
     est_out_for_kv,
     expected_duration_ms,
     long_context_threshold,
-    prefill_bound_seconds,
-    prefill_expected_seconds,
     to_milli,
     tokens_estimate,
     tpot_estimate,
 )
 from gateway.admission.long_context import (
-    is_very_long,
-    lane_prefill_seconds,
     long_context_budget,
     long_context_lane_slots,
+    long_context_tier,
 )
 from gateway.admission.prefix import PrefixQuery
 from gateway.admission.quota import (
@@ -248,14 +243,7 @@ class AdmissionController:
             return None
         shared = sum(1 for r in version.replicas if r.pool != "reserved")
         budget, slots = long_context_budget(version, max(1, shared), plan, cfg)
-        prefill_s = prefill_expected_seconds(
-            req.prompt_tokens_est,
-            version,
-            attention_share(version, cfg.long_prefill_attention_share),
-        )
-        very_long = is_very_long(prefill_s, version.ttft_target_ms, cfg)
-        # a lane prompt beside a very long prefill runs in what that one leaves of each step
-        beside_s = 0.0 if very_long else lane_prefill_seconds(req.prompt_tokens_est, version, cfg)
+        tier = long_context_tier(req.prompt_tokens_est, version, cfg)
         return LongContextAsk(
             cls=plan,
             # what the ceiling check reserves on its replica: the prompt and the output
@@ -267,21 +255,15 @@ class AdmissionController:
             prefill_slots=slots,
             # its expected first token (attention included), recorded in its lease: what a
             # refusal for a full prefill slot is told to wait for while this one runs
-            prefill_ms=max(1, math.ceil(prefill_s * 1000)),
+            prefill_ms=tier.prefill_ms,
             demand_window_ms=int(cfg.long_context_demand_window_s * 1000),
             # held until the first token (``prefill_done``); this only bounds a lost release
-            prefill_hold_ms=max(
-                1,
-                math.ceil(
-                    cfg.long_prefill_hold_factor
-                    * max(prefill_bound_seconds(req.prompt_tokens_est, version), beside_s)
-                    * 1000
-                ),
-            ),
-            # its tier: a prompt that is not very long may also use the lane's slots
-            very_long=very_long,
+            prefill_hold_ms=tier.hold_ms,
+            # its tier: a prompt that is not very long may also use the lane's slots, and
+            # beside a very long prefill it runs in what that one leaves of each step
+            very_long=tier.very_long,
             lane_slots=long_context_lane_slots(max(1, shared), cfg),
-            prefill_beside_ms=math.ceil(beside_s * 1000),
+            prefill_beside_ms=tier.beside_ms,
         )
 
     def output_growth_bytes(self, req: AdmissionRequest) -> int:

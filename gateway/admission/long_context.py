@@ -12,7 +12,11 @@ from dataclasses import dataclass
 from contracts.schema import ModelVersionRecord as ModelVersionLike
 from gateway.admission.classes import occupancy_ceiling
 from gateway.admission.config import AdmissionConfig, EffectiveClass
-from gateway.admission.estimates import attention_share, prefill_expected_seconds
+from gateway.admission.estimates import (
+    attention_share,
+    prefill_bound_seconds,
+    prefill_expected_seconds,
+)
 from gateway.admission.placement import long_context_replicas
 from gateway.admission.retry import long_context_retry_latest_ms
 
@@ -63,6 +67,57 @@ def lane_prefill_seconds(
     pace = prefill_expected_seconds(ctx, version, share_of_attention) / ctx
     share = cfg.long_prefill_step_share
     return max(0, prompt_tokens) * pace * share / (1 - share)
+
+
+@dataclass(frozen=True, slots=True)
+class LongContextTier:
+    """A long-context ask's tier and the times its lease records (ms), as
+    ``long_context_tier`` computes them for the gateway's ``LongContextAsk`` and the fleet
+    simulation's ledger alike."""
+
+    very_long: bool  # ``is_very_long``: limited to the very long slots
+    prefill_ms: int  # its expected first token alone (``prefill_expected_seconds``)
+    # its expected first token beside a very long prefill (``lane_prefill_seconds``); 0 when
+    # it is very long itself or there is no lane
+    beside_ms: int
+    hold_ms: int  # its prefill slot's safety expiry, for a release that never comes
+
+    def first_token_ms(self, long_prefilling: int) -> int:
+        """Its expected first token from admission as the admit script records it
+        (gateway/admission/quota.py's ``lc_refusal``): beside a running very long prefill
+        (``long_prefilling`` of them run) a shorter ask's lane estimate if that is later,
+        else its lone one. What the backfill, its due-back and its lease use."""
+        if not self.very_long and long_prefilling > 0:
+            return max(self.prefill_ms, self.beside_ms)
+        return self.prefill_ms
+
+
+def long_context_tier(
+    prompt_tokens: int, version: ModelVersionLike, cfg: AdmissionConfig
+) -> LongContextTier:
+    """The tier of a ``prompt_tokens`` long context and its expected prefill: very long
+    (``is_very_long``) or not, its expected first token alone (attention included, with
+    the version's ``attention_share``), beside a very long prefill when it may take the
+    lane (``lane_prefill_seconds``; 0 without a lane,
+    ``short_long_prefill_slots_per_replica`` 0, so that a budget without a lane is the
+    one-tier rule exactly), and its prefill slot's safety expiry
+    (``long_prefill_hold_factor`` times the larger of ``prefill_bound_seconds`` and the lane
+    estimate). One function for the controller (``AdmissionController.long_context_ask``)
+    and the fleet simulation's ledger (bench/sim.py), so that the two cannot drift."""
+    prefill_s = prefill_expected_seconds(
+        prompt_tokens, version, attention_share(version, cfg.long_prefill_attention_share)
+    )
+    very_long = is_very_long(prefill_s, version.ttft_target_ms, cfg)
+    lane = cfg.short_long_prefill_slots_per_replica > 0
+    # a lane prompt beside a very long prefill runs in what that one leaves of each step
+    beside_s = lane_prefill_seconds(prompt_tokens, version, cfg) if lane and not very_long else 0.0
+    bound_s = max(prefill_bound_seconds(prompt_tokens, version), beside_s)
+    return LongContextTier(
+        very_long=very_long,
+        prefill_ms=max(1, math.ceil(prefill_s * 1000)),
+        beside_ms=math.ceil(beside_s * 1000),
+        hold_ms=max(1, math.ceil(cfg.long_prefill_hold_factor * bound_s * 1000)),
+    )
 
 
 def fair_level(budget: int, usage: Mapping[str, int], waiting: Iterable[str], tenant: str) -> float:
@@ -262,9 +317,31 @@ def yields_to_waiting(
     early = displaced(ahead, first_token_at, due or {})
     short = early & set(short_waiters)
     long_left = slots_left if long_slots_left is None else long_slots_left
-    before = seatable(len(early - short), len(short), long_left + int(very_long), slots_left + 1)
-    after = seatable(len(early - short), len(short), long_left, slots_left)
-    return bool(ahead) and (after < before or kv_left < len(ahead) * need)
+    slot = takes_a_waiters_slot(
+        len(early - short), len(short), very_long=very_long, slots_left=slots_left,
+        long_slots_left=long_left,
+    )  # fmt: skip
+    return bool(ahead) and (slot or kv_left < len(ahead) * need)
+
+
+def takes_a_waiters_slot(
+    very_long_waiters: int,
+    shorter_waiters: int,
+    *,
+    very_long: bool,
+    slots_left: int,
+    long_slots_left: int,
+) -> bool:
+    """The slot clause of ``yields_to_waiting``: whether an ask (``very_long``: its tier)
+    taking its slot lowers how many of the waiters ahead that it would displace
+    (``very_long_waiters`` and ``shorter_waiters`` of them) the free prefill slots could
+    run (``seatable``; ``slots_left`` and ``long_slots_left``: free slots in all and free
+    very long ones after it). The admit script's ``slot_yield``; with one tier, whether the
+    slots left are fewer than the waiters."""
+    vl = int(very_long)
+    before = seatable(very_long_waiters, shorter_waiters, long_slots_left + vl, slots_left + 1)
+    after = seatable(very_long_waiters, shorter_waiters, long_slots_left, slots_left)
+    return after < before
 
 
 def seatable(very_long: int, shorter: int, long_free: int, free: int) -> int:

@@ -2,7 +2,9 @@
 the admit script computes (``long_context_wait_ms``, ``yield_wait_ms``) jittered into the
 503's retry-after (``long_context_retry_after_ms``), each refused tenant's due-back recorded
 and used by the turn order's backfill, and a waiting entry kept per ``waiting_score``. With
-``tells_waits`` off it is the ledger before (the comparison arm)."""
+``tells_waits`` off it is the ledger before (the comparison arm). One tier here (the lane
+off, ``short_long_prefill_slots_per_replica`` 0): the lane's own tests are in
+test_fleet_sim_lane.py."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 
 from bench import fleet_sim
 from bench.fleet_sim import FleetConfig, FleetSim, SimRequest
-from bench.sim import LongContextLedger, SimLease, replica_records, sim_version
+from bench.sim import LongContextLedger, SimDue, SimLease, replica_records, sim_version
 from emulator.profiles import get_profile
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.estimates import expected_duration_ms, prefill_bound_seconds
@@ -43,12 +45,13 @@ def _ledger(
 ) -> LongContextLedger:
     """4 shared replicas (one designated: one prefill slot, ~480k tokens of KV) prefilling
     10,000 tokens/s, a tenth of the threshold prompt's time attention: a 100k prompt is
-    expected to take 19 s, a 20k one 2.2 s."""
+    expected to take 19 s, a 20k one 2.2 s. No lane: every long prefill takes the one slot."""
     version = sim_version("v", "llama-70b", PROFILE, replica_records(4),
                           kv_capacity_tokens=PROFILE.kv_capacity_tokens,
                           prefill_tokens_per_s=rate)  # fmt: skip
     version = replace(version, prefill_attention_share=0.10)
-    adm = AdmissionConfig(long_context_demand_window_s=window_s)
+    adm = AdmissionConfig(long_context_demand_window_s=window_s,
+                          short_long_prefill_slots_per_replica=0)  # fmt: skip
     ledger = LongContextLedger(version, 4, adm, tells_waits=tells_waits)
     assert long_context_budget(version, 4, "standard", adm)[1] == 1
     if rate == 10_000.0:
@@ -92,7 +95,7 @@ def test_the_client_is_told_the_gateways_jittered_retry_after() -> None:
     fleet-full retry-after instead."""
     for told in (True, False):
         cfg = FleetConfig(replicas=4, duration_s=10.0, warmup_s=0.0, gateways=1,
-                          isolation=True, lc_told_wait=told)  # fmt: skip
+                          isolation=True, lc_told_wait=told, lane_slots=0)  # fmt: skip
         sim = FleetSim(cfg, PROFILE)
         other = SimLease("other", 1_000 * KV, 100.0, admitted_ms=0, first_token_due_ms=7_000,
                          expected_end_ms=60_000)  # fmt: skip
@@ -114,7 +117,7 @@ def test_the_client_is_told_the_gateways_jittered_retry_after() -> None:
         assert sim.long_told_s == [ms / 1000]
         if told:
             assert 6_000 <= ms <= 9_000
-            assert sim.ledger.due["t1"] == (7_000, sim.ledger.prefill_ms(20_000))
+            assert sim.ledger.due["t1"] == SimDue(7_000, sim.ledger.prefill_ms(20_000), short=True)
         else:
             assert not sim.ledger.due
 
@@ -129,7 +132,7 @@ def test_due_backs_are_recorded_and_let_an_ask_done_before_them_backfill_the_slo
         wait = _scene(ledger)
         assert wait == 18_000
         assert "b" in ledger.waiting
-        assert ledger.due == ({"b": (20_000, 2_200)} if tells else {})
+        assert ledger.due == ({"b": SimDue(20_000, 2_200, short=True)} if tells else {})
         ledger.prefilled("l1", 3.0)
         admitted = _ask(ledger, "c", "l3", 20_000, 4.0) is None
         assert admitted == tells
@@ -155,7 +158,7 @@ def test_an_ask_that_would_hold_the_slot_past_a_due_back_yields_until_the_waiter
                                 slots_bound=True, kv_bound=False)  # fmt: skip
     assert slot == 1_000  # no prefill running
     assert wait == yield_wait_ms(slot, [(20_000, 2_200)], 4_000) == 18_200
-    assert ledger.due["c"] == (4_000 + 18_200, 19_000)
+    assert ledger.due["c"] == SimDue(4_000 + 18_200, 19_000)
 
 
 def test_a_waiting_entry_outlives_the_demand_window_when_told_to_come_later() -> None:
@@ -210,6 +213,7 @@ def test_a_wait_past_the_retry_after_cap_is_due_back_at_the_earliest_retry_told(
     assert wait is not None and wait > 120_000
     earliest = long_context_retry_earliest_ms(wait)
     assert earliest < wait
-    assert ledger.due["b"] == (2_000 + earliest, ledger.prefill_ms(20_000))
+    assert ledger.tier(20_000).very_long  # at 1,000 tokens/s
+    assert ledger.due["b"] == SimDue(2_000 + earliest, ledger.prefill_ms(20_000))
     kept = waiting_score(2_000, wait, 15_000, holds=False)
     assert ledger.waiting["b"] == kept / 1000

@@ -68,7 +68,7 @@ def test_the_ledger_holds_a_prefill_slot_until_the_first_token_and_the_kv_until_
     version = sim_version("v", "llama-70b", profile, records,
                           kv_capacity_tokens=profile.kv_capacity_tokens,
                           prefill_tokens_per_s=10_000.0)  # fmt: skip
-    adm = AdmissionConfig()
+    adm = AdmissionConfig(short_long_prefill_slots_per_replica=0)  # one tier: no lane
     ledger = LongContextLedger(version, 4, adm)
     _, slots = long_context_budget(version, 4, "standard", adm)
     need = 20_000 * profile.kv_bytes_per_token
