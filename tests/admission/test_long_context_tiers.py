@@ -498,3 +498,37 @@ def test_a_lane_prompt_beside_a_128k_prefill_gets_the_rest_of_each_step() -> Non
     assert 1.0 < alone < 1.3 and 3.3 < beside < 4.1
     with pytest.raises(ValueError):
         AdmissionConfig(long_prefill_step_share=1.0)
+
+
+@pytest.mark.parametrize("lane", [1, 0])
+async def test_the_controllers_ask_carries_the_tier(
+    redis_url: str, aredis: aioredis.Redis, lane: int
+) -> None:
+    """The controller's long-context ask carries what ``long_context_tier`` computes (the
+    fleet simulation's ledger asks the same function): its tier, expected first token,
+    lane estimate and safety expiry. Without a lane it sends no lane estimate
+    (``prefill_beside_ms`` 0), so a shorter ask beside a very long prefill records its lone
+    estimate: the one-tier ask exactly."""
+    from tests.admission.test_controller import VERSION, StubRegistry, request, started_controller
+    from tests.admission.test_long_context_budget import threshold_version
+
+    cfg = AdmissionConfig(short_long_prefill_slots_per_replica=lane)
+    version = replace(threshold_version(LLAMA_70B_TP4_H100), replicas=VERSION.replicas)
+    controller = await started_controller(redis_url, aredis, StubRegistry(), cfg)
+    try:
+        for n in (20_000, 128_000):
+            req = replace(request("standard", prompt=n, rid=f"r{n}"), version=version)
+            ask = controller.long_context_ask(req)
+            assert ask is not None
+            tier = long_context.long_context_tier(n, version, cfg)
+            assert (ask.very_long, ask.prefill_ms, ask.prefill_beside_ms, ask.prefill_hold_ms) == (
+                tier.very_long,
+                tier.prefill_ms,
+                tier.beside_ms,
+                tier.hold_ms,
+            )
+            assert ask.very_long == (n == 128_000)
+            assert ask.lane_slots == lane
+            assert (ask.prefill_beside_ms > ask.prefill_ms) == (lane == 1 and n == 20_000)
+    finally:
+        await controller.stop()
