@@ -47,11 +47,11 @@ def test_never_served_cell_gives_the_share_and_the_causes() -> None:
 
 
 def test_a_long_prompt_the_budget_refuses_on_every_attempt_is_never_served_by_it() -> None:
-    """The long-context budget's one prefill slot (4 replicas: 1 designated) is held by
-    another tenant's long prefill: a long prompt whose client tries once is refused by the
+    """The long-context budget's one prefill slot (4 replicas: 1 designated; no lane) is held
+    by another tenant's long prefill: a long prompt whose client tries once is refused by the
     budget and ends never served, with that cause."""
     cfg = FleetConfig(replicas=4, duration_s=10.0, warmup_s=0.0, gateways=1, isolation=True,
-                      max_attempts=1)  # fmt: skip
+                      max_attempts=1, lane_slots=0)  # fmt: skip
     sim = FleetSim(cfg, get_profile(fleet_sim.PROFILE))
     sim.ledger.leases["0.0"] = SimLease("other", 1_000 * sim.kv_bytes, 100.0)  # prefilling
     r = SimRequest(rid=1, tenant_class="standard", prompt=20_000, output=100, arrival=1.0,
