@@ -277,7 +277,7 @@ class LongContextLedger:
             self.served[tenant] = now
             # The prefill slot is held until the first token (``prefilled``); the hold is
             # only the gateway's safety expiry for a release that never comes.
-            self.leases[lease] = SimLease(tenant, need, (now_ms + tier.hold_ms) / 1000, now_ms,
+            self.leases[lease] = SimLease(tenant, need, now + tier.hold_s, now_ms,
                                           now_ms + prefill_ms,
                                           now_ms + self.expected_ms(output),
                                           very_long=tier.very_long)  # fmt: skip

@@ -80,7 +80,13 @@ class LongContextTier:
     # its expected first token beside a very long prefill (``lane_prefill_seconds``); 0 when
     # it is very long itself or there is no lane
     beside_ms: int
-    hold_ms: int  # its prefill slot's safety expiry, for a release that never comes
+    # its prefill slot's safety expiry (s), for a release that never comes (``hold_ms``)
+    hold_s: float
+
+    @property
+    def hold_ms(self) -> int:
+        """The safety expiry as the ask sends it (ms, at least 1)."""
+        return max(1, math.ceil(self.hold_s * 1000))
 
     def first_token_ms(self, long_prefilling: int) -> int:
         """Its expected first token from admission as the admit script records it
@@ -116,7 +122,7 @@ def long_context_tier(
         very_long=very_long,
         prefill_ms=max(1, math.ceil(prefill_s * 1000)),
         beside_ms=math.ceil(beside_s * 1000),
-        hold_ms=max(1, math.ceil(cfg.long_prefill_hold_factor * bound_s * 1000)),
+        hold_s=cfg.long_prefill_hold_factor * bound_s,
     )
 
 
