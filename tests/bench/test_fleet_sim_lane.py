@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from bench import fleet_sim
 from bench.fleet_sim import FleetConfig, FleetSim, SimRequest
 from bench.sim import LongContextLedger, SimDue, SimLease, replica_records, sim_version, store_ms
-from emulator.profiles import get_profile
 from gateway.admission.config import VLLM_PRIORITY, AdmissionConfig
 from gateway.admission.estimates import attention_share, prefill_expected_seconds
 from gateway.admission.long_context import (
@@ -34,10 +33,8 @@ from gateway.admission.long_context import (
 )
 from gateway.admission.quota import LEDGER_LUA
 from gateway.admission.retry import long_context_retry_earliest_ms
+from tests.bench.test_fleet_sim_lc_retry import KV, OUT, PROFILE, _ask
 
-PROFILE = get_profile(fleet_sim.PROFILE)
-KV = PROFILE.kv_bytes_per_token
-OUT = 100  # every ask's output tokens
 LONG = 128_000  # a very long prompt (~20 s of prefill)
 SHORT = 20_000  # a shorter long context (~1.7 s alone, ~5.6 s beside a 128k prefill)
 
@@ -53,10 +50,6 @@ def _ledger(lane: int = 1, replicas: int = 4, window_s: float = 15.0) -> LongCon
     )  # fmt: skip
     ledger = sim.ledger
     return replace(ledger, adm=replace(ledger.adm, long_context_demand_window_s=window_s))
-
-
-def _ask(ledger: LongContextLedger, tenant: str, lease: str, prompt: int, now: float) -> int | None:
-    return ledger.ask(tenant, lease, (prompt + OUT) * KV, prompt, now, output=OUT)
 
 
 # -- the tier: one function for the gateway and the simulation ---------------------------
