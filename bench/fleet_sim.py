@@ -31,7 +31,6 @@ import numpy as np
 
 from bench.cliff import CliffPoint, run_engine
 from bench.loadgen import sdk_should_retry
-from bench.noisy_neighbour import threshold_prefill_rate
 from bench.sim import (
     HEAVY_PROMPT,
     LongContextLedger,
@@ -53,7 +52,7 @@ from bench.stats import fmt_ms as _ms
 from bench.stats import fmt_pct as _pct
 from bench.stats import percentile as _p
 from bench.workload import DESIGN_OUTPUT, DESIGN_PROMPT, poisson_arrivals
-from emulator.profiles import LLAMA_70B_TP4_H100, Profile, get_profile
+from emulator.profiles import LLAMA_70B_TP4_H100, Profile, get_profile, threshold_prefill_rate
 from gateway.admission.config import LAYERS, VLLM_PRIORITY, AdmissionConfig, Strategy
 from gateway.admission.estimates import long_context_threshold
 from gateway.admission.replicas import ReplicaState

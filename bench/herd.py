@@ -37,7 +37,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.noisy_neighbour import threshold_prefill_rate  # noqa: E402
 from bench.sim import (  # noqa: E402
     HEAVY_PROMPT,
     LongContextLedger,
@@ -55,7 +54,7 @@ from bench.workload import (
     poisson_arrivals,  # noqa: E402
 )
 from emulator.engine import Request, StepResult  # noqa: E402
-from emulator.profiles import get_profile  # noqa: E402
+from emulator.profiles import get_profile, threshold_prefill_rate  # noqa: E402
 from gateway.admission.config import LAYERS, VLLM_PRIORITY, AdmissionConfig, Strategy  # noqa: E402
 from gateway.admission.estimates import long_context_threshold
 from gateway.admission.prefix import query_from_tokens  # noqa: E402

@@ -69,8 +69,8 @@ from contracts import schema
 from emulator.profiles import (
     LLAMA_70B_TP4_H100,
     Profile,
-    long_context_threshold_tokens,
     prefill_attention_share,
+    threshold_prefill_rate,
 )
 
 RESULTS = Path(__file__).parent / "results"
@@ -281,14 +281,6 @@ def catalog(cfg: NNConfig, profile: Profile, replicas: Sequence[cluster.Replica]
 
 
 TTFT_TARGET_S = 1.0  # the design's TTFT SLO
-
-
-def threshold_prefill_rate(profile: Profile, ttft_s: float) -> float:
-    """The profile's prefill rate at the long-context threshold: tokens n whose lone
-    prefill takes ``ttft_s`` (model time), over ``ttft_s``. Realistic prefill grows faster
-    than linearly with the prompt (attention), so this is the rate that matters there."""
-    n0 = long_context_threshold_tokens(profile, ttft_s)
-    return n0 / min(ttft_s, profile.prefill_seconds(n0))
 
 
 # Gateway knobs per arm: GATEWAY_ADMISSION_* (gateway.admission.config.AdmissionConfig.from_env).

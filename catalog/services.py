@@ -25,12 +25,16 @@ PRICE_FIELDS = (
     "price_cached_prompt_per_mtok",
     "price_completion_per_mtok",
 )
+# The replica profile's facts the gateway reads with a version (ModelVersionRecord): set
+# with the version, and an operator may correct them on a version in service
+# (``version_profile_update``).
+PROFILE_FIELDS = ("prefill_tokens_per_s", "ttft_target_ms", "prefill_attention_share")
 VERSION_FIELDS = (
     "context_length",
     "kv_bytes_per_token",
     "tpot_target_ms",
     "kv_capacity_tokens",
-    "prefill_attention_share",
+    *PROFILE_FIELDS,
     *PRICE_FIELDS,
     "currency",
     "is_active",
@@ -321,11 +325,6 @@ def version_upsert(
             reason=price_reason,
         )
     return version
-
-
-# The replica profile's facts the gateway reads with a version (ModelVersionRecord), which
-# an operator may correct on a version in service (``version_profile_update``).
-PROFILE_FIELDS = ("prefill_tokens_per_s", "ttft_target_ms", "prefill_attention_share")
 
 
 @transaction.atomic

@@ -213,6 +213,17 @@ def long_context_threshold_tokens(profile: Profile, ttft_s: float | None = None)
     return hi
 
 
+def threshold_prefill_rate(profile: Profile, ttft_s: float | None = None) -> float:
+    """The profile's prefill rate at the long-context threshold: the ``n`` tokens whose lone
+    prefill takes ``ttft_s`` (model time; default the profile's TTFT target), over the time
+    they take. Realistic prefill grows faster than linearly with the prompt (attention), so
+    this is the rate that matters there, and the one the control plane pushes with a
+    version (``prefill_tokens_per_s``)."""
+    ttft = profile.ttft_target_ms / 1000 if ttft_s is None else ttft_s
+    n0 = long_context_threshold_tokens(profile, ttft)
+    return n0 / min(ttft, profile.prefill_seconds(n0))
+
+
 def prefill_attention_share(profile: Profile, ttft_s: float | None = None) -> float:
     """The share of the threshold prompt's prefill time that is attention (the part of a
     prefill's cost that grows with the context, ``attn_flops_per_token_ctx``): 1 minus the

@@ -52,9 +52,13 @@ class DemoVersion:
     tensor_parallel_size: int
     tool_call_parser: str
     emulator_profile: str
-    # The share of the threshold prompt's prefill time that is attention on that profile
-    # (emulator/profiles.py's ``prefill_attention_share``, to 4 places; the control plane
-    # does not import the emulator, tests/controlplane/test_readmodel.py checks the figure).
+    # The profile's prefill rate at the long-context threshold (prompt tokens/s,
+    # emulator/profiles.py's ``threshold_prefill_rate``) and the share of that prompt's
+    # prefill time that is attention (``prefill_attention_share``, to 4 places): with them
+    # the gateway's long-context budget estimates a long prompt's first token. The control
+    # plane does not import the emulator; tests/controlplane/test_version_profile.py checks
+    # the figures against the profiles.
+    prefill_tokens_per_s: int
     prefill_attention_share: float
     # Capabilities of the replicas (the emulator serves all of them, as vLLM does for
     # Llama 3.x with --enable-auto-tool-choice --tool-call-parser llama3_json).
@@ -92,6 +96,7 @@ class DemoVersion:
             tensor_parallel_size=self.tensor_parallel_size,
             tool_call_parser=self.tool_call_parser,
             emulator_profile=self.emulator_profile,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
             prefill_attention_share=self.prefill_attention_share,
             is_active=True,
             actor_label="system:seed_demo",
@@ -119,6 +124,7 @@ MODELS = (
         tensor_parallel_size=4,
         tool_call_parser="llama3_json",
         emulator_profile="llama-70b-tp4-h100",
+        prefill_tokens_per_s=12_548,
         prefill_attention_share=0.1043,
     ),
     DemoVersion(
@@ -136,6 +142,7 @@ MODELS = (
         tensor_parallel_size=1,
         tool_call_parser="llama3_json",
         emulator_profile="llama-8b-tp1-h100",
+        prefill_tokens_per_s=24_262,
         prefill_attention_share=0.2837,
     ),
 )

@@ -14,7 +14,7 @@ from django.db import IntegrityError, transaction
 
 from catalog.models import ModelVersion
 from contracts import schema
-from emulator.profiles import get_profile, prefill_attention_share
+from emulator.profiles import get_profile, prefill_attention_share, threshold_prefill_rate
 from tenants.demo import MODELS
 
 from .helpers import error_of
@@ -22,13 +22,33 @@ from .helpers import error_of
 pytestmark = pytest.mark.django_db
 
 
-def test_the_demo_catalogs_share_is_its_emulator_profiles() -> None:
+def test_the_demo_catalogs_profile_is_its_emulator_profiles() -> None:
     """The control plane does not import the emulator: the demo figures are written down,
-    and must be the profiles' (0.10 for the 70B profile, 0.28 for the 8B one)."""
+    and must be the profiles' (share 0.10 for the 70B profile, 0.28 for the 8B one; the
+    prefill rate at the long-context threshold, without which the dev stack's gateway
+    would not run the long-context budget at all)."""
     for demo in MODELS:
-        share = prefill_attention_share(get_profile(demo.emulator_profile))
-        assert demo.prefill_attention_share == round(share, 4), demo.version
+        profile = get_profile(demo.emulator_profile)
+        assert demo.prefill_attention_share == round(prefill_attention_share(profile), 4)
+        assert demo.prefill_tokens_per_s == round(threshold_prefill_rate(profile)), demo.version
     assert [round(m.prefill_attention_share, 2) for m in MODELS] == [0.10, 0.28]
+    assert all(m.prefill_tokens_per_s > 0 for m in MODELS)
+
+
+def test_the_seeded_demo_versions_push_their_prefill_rate(
+    rm: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    """Seeded through the catalog's services, the demo versions reach the gateway's read
+    model with their profile: the long-context budget is on in the dev stack."""
+    with django_capture_on_commit_callbacks(execute=True):
+        for demo in MODELS:
+            demo.upsert(make_current=True)
+    catalog = schema.load_catalog(rm.redis.get(schema.CATALOG_KEY))
+    for demo in MODELS:
+        record = catalog.versions[demo.version]
+        assert record.prefill_tokens_per_s == demo.prefill_tokens_per_s
+        assert record.prefill_attention_share == demo.prefill_attention_share
+        assert record.ttft_target_ms == 1000
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan")])
