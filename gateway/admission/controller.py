@@ -461,6 +461,7 @@ class AdmissionController:
                 long_context=long_context,
                 prefix=req.prefix,
                 growth_bytes=growth,
+                very_long=long_context and self._router.very_long(req.version, dispatch_bytes),
             )
         assert replica is not None  # refused above otherwise
         self._floor_window(req.version.version).record(time.monotonic(), flagged=floor)

@@ -12,7 +12,13 @@ cache hit, say) cannot quietly bypass an older one:
   the replicas designated for long contexts (see below).
 - **bands** (multiples of ``BAND``): a preference no fractional term can override.
   Floor traffic: the reserved pool first. Long-context requests: the lowest-ranked
-  designated replica with room (packing: as few replicas as the ceilings allow). Short
+  designated replica with room (packing: as few replicas as the ceilings allow) among
+  those with a prefill slot of the request's tier free (``prefill_slot_free``, with
+  ``long_prefill_placement``: the long prefills in flight there, from dispatch to first
+  token, against the budget's per-replica slots; not for reserved long contexts, which are
+  outside the budget and placed as before), then the others; packed by KV alone,
+  several long prefills shared one replica's steps, each at a fraction of its lone speed
+  (bench/results/fleet_sim_isolation_place.md). Short
   requests: replicas that host no long context first; short reserved requests also keep
   off the designated replicas that host none yet (``reserved_off_long_replicas``): a
   request decodes for tens of seconds, packing may start on its replica at any moment of
@@ -140,6 +146,10 @@ class PlacementRequest:
     # is the same everywhere saves the same prefill wherever the request goes, so only what a
     # replica holds beyond it (``distinct_hit``) is affinity.
     common_hit_tokens: int = 0
+    # A long context's tier (``long_context.long_context_tier``): a very long prompt needs a
+    # free very long prefill slot on its replica, a shorter one a free slot of either tier.
+    # True when unknown: it then needs both (``prefill_slot_free``).
+    very_long: bool = True
 
 
 def in_band(term: float) -> float:
@@ -226,6 +236,22 @@ def designated(view: ReplicaView) -> bool:
     return view.pool != "reserved" and 0 <= view.long_rank < view.long_designated
 
 
+def prefill_slot_free(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig) -> bool:
+    """Whether the replica has a prefill slot of the long context's tier free: the fleet
+    budget's tiers (``long_context.long_context_budget`` and ``long_context_lane_slots``)
+    per replica. A very long prompt needs fewer very long prefills in flight there than
+    ``long_prefill_slots_per_replica`` and a free slot of all; a shorter one a free slot of
+    all (``long_prefill_slots_per_replica`` + ``short_long_prefill_slots_per_replica``).
+    Long prefills on one replica share each step's prefill budget (vLLM's chunk cap,
+    ``--long-prefill-token-threshold``), so past its slots each runs at a fraction of its
+    lone speed."""
+    slots = cfg.long_prefill_slots_per_replica
+    total = slots + cfg.short_long_prefill_slots_per_replica
+    if view.long_prefills >= total:
+        return False
+    return not req.very_long or view.very_long_prefills < slots
+
+
 def score(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig) -> float | None:
     """How much ``req`` should go to ``view``: None = not at all; higher is better."""
     capacity = cfg.enforces("capacity")
@@ -245,6 +271,14 @@ def score(view: ReplicaView, req: PlacementRequest, cfg: AdmissionConfig) -> flo
             if not designated(view):
                 return None  # not a long-context replica: the budget's replicas only
             band -= view.long_rank  # pack: the lowest-ranked one with room
+            if (
+                cfg.long_prefill_placement
+                and req.cls != "reserved"
+                and not prefill_slot_free(view, req, cfg)
+            ):
+                # below every designated replica with a free prefill slot of its tier (the
+                # budget's classes; reserved long contexts, outside it, are placed as before)
+                band -= view.long_designated
         else:
             # Short traffic keeps off long contexts while it has room elsewhere; reserved
             # short traffic also off the designated replicas hosting none yet (module doc).

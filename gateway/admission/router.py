@@ -43,6 +43,7 @@ from typing import Protocol
 
 from contracts import schema
 from gateway.admission.config import AdmissionConfig, EffectiveClass
+from gateway.admission.long_context import long_context_tier
 from gateway.admission.placement import (
     PlacementRequest,
     long_context_order,
@@ -72,6 +73,7 @@ def route(
     kv_bytes_per_token: int = 0,
     prefix: PrefixTerms | None = None,
     growth_bytes: int = 0,
+    very_long: bool = True,
 ) -> ReplicaView | None:
     """Pick a replica for one request, or None when no replica may take it (a 503).
 
@@ -81,7 +83,13 @@ def route(
     ``prefix`` (strategy ``cache_aware``) adds the expected prefix-cache hit.
     """
     req = PlacementRequest(
-        cls, kv_bytes, long_context, kv_bytes_per_token, prefix=prefix, growth_bytes=growth_bytes
+        cls,
+        kv_bytes,
+        long_context,
+        kv_bytes_per_token,
+        prefix=prefix,
+        growth_bytes=growth_bytes,
+        very_long=very_long,
     )
     return place(views, req, cfg, rng, turn=turn)
 
@@ -120,6 +128,13 @@ class Router:
         self._long: dict[str, dict[str, int]] = {}
         # version -> (clock, fleet long-context KV in flight): the last budget answer
         self._fleet_long: dict[str, tuple[float, int]] = {}
+        # replica_id -> {request_id: very long}: long contexts this process dispatched there
+        # with no first token yet (their prefills hold the replica's prefill slots)
+        self._long_prefill: dict[str, dict[str, bool]] = {}
+        # version -> (clock, {replica_id: (long prefills, of them very long)}): the long
+        # prefills in flight per replica as a record shared by the gateway processes reports
+        # them (``note_long_prefills``), beside this process's own
+        self._fleet_prefills: dict[str, tuple[float, dict[str, tuple[int, int]]]] = {}
         # version -> (replica ids, their long-context order, each id's rank in it, how many
         # of them are designated): recomputed only when the version's replicas change
         self._order: dict[str, tuple[tuple[str, ...], list[str], dict[str, int], int]] = {}
@@ -163,6 +178,33 @@ class Router:
         (without the request being placed: its own KV is counted by the ceiling check)."""
         self._fleet_long[version] = (self._clock(), max(0, inflight_bytes))
 
+    def note_long_prefills(self, version: str, by_replica: dict[str, tuple[int, int]]) -> None:
+        """The long prefills in flight on each replica of ``version`` fleet-wide (all gateway
+        processes' long contexts dispatched there with no first token yet: count, of them
+        very long), as a shared record reports them; placement takes the larger of this and
+        this process's own count, for ``lease_ttl_s`` after the note. The fleet simulation
+        feeds it from its ledger (``FleetConfig.place_shared``); the gateway's Redis ledger
+        does not record where a lease was placed, so there each process knows its own."""
+        self._fleet_prefills[version] = (self._clock(), dict(by_replica))
+
+    def long_prefills(self, version: str, replica_id: str) -> tuple[int, int]:
+        """The long prefills in flight on the replica as this process knows them: (all,
+        very long), the larger of its own and a fresh ``note_long_prefills``."""
+        own = self._long_prefill.get(replica_id)
+        total = len(own) if own else 0
+        very = sum(own.values()) if own else 0
+        noted = self._fleet_prefills.get(version)
+        if noted is not None and self._clock() - noted[0] <= self._cfg.lease_ttl_s:
+            n_total, n_very = noted[1].get(replica_id, (0, 0))
+            total, very = max(total, n_total), max(very, n_very)
+        return total, very
+
+    def very_long(self, version: schema.ModelVersionRecord, est_kv_bytes: int) -> bool:
+        """Whether a long context of ``est_kv_bytes`` prompt KV is very long
+        (``long_context.long_context_tier``, the budget's tier)."""
+        per_token = max(1, version.kv_bytes_per_token)
+        return long_context_tier(max(0, est_kv_bytes) // per_token, version, self._cfg).very_long
+
     def _layout(
         self, version: str, states: Sequence[ReplicaState]
     ) -> tuple[tuple[str, ...], list[str], dict[str, int], int]:
@@ -202,6 +244,9 @@ class Router:
                 continue
             r = rank.get(s.replica_id, -1)
             hit = queued = 0
+            prefills = very = 0
+            if 0 <= r < designated:
+                prefills, very = self.long_prefills(version.version, s.replica_id)
             if prefix is not None:
                 hit = blocks[s.replica_id] * prefix.block_size
                 pending = self._queued.get(s.replica_id)
@@ -223,6 +268,8 @@ class Router:
                     ),
                     cache_hit_tokens=hit,
                     queued_prefill_tokens=queued,
+                    long_prefills=prefills,
+                    very_long_prefills=very,
                 )
             )
         return out
@@ -291,6 +338,7 @@ class Router:
             kv_bytes_per_token=version.kv_bytes_per_token,
             prefix=terms,
             growth_bytes=growth_bytes,
+            very_long=long_context and self.very_long(version, est_kv_bytes),
         )
         self._turn += 1
         if terms is not None and prefix is not None and pick is not None:
@@ -309,14 +357,17 @@ class Router:
         long_context: bool = False,
         prefix: PrefixQuery | None = None,
         growth_bytes: int = 0,
+        very_long: bool = True,
     ) -> None:
         """Called once the request is sent to ``replica``: count it until a scrape after its
         first token (or its finish); a long-context request marks the replica as hosting
         long contexts until it finishes, and its output growth stays charged there until
-        then; the prompt's blocks are now cached there."""
+        then, and holds one of the replica's prefill slots (of its tier: ``very_long``)
+        until its first token; the prompt's blocks are now cached there."""
         self._prefilling.setdefault(replica.replica_id, {})[request_id] = max(0, est_kv_bytes)
         if long_context:
             self._long.setdefault(replica.replica_id, {})[request_id] = max(0, growth_bytes)
+            self._long_prefill.setdefault(replica.replica_id, {})[request_id] = very_long
         if prefix is not None and self._cfg.strategy == "cache_aware":
             # The whole prompt's blocks, now: a request routed a moment later (a burst of
             # conversations sharing a system prompt) must see the whole hit, or it weighs
@@ -335,6 +386,11 @@ class Router:
                 hit = last[2]
             self._queued.setdefault(rid, {})[request_id] = max(0, prefix.prompt_tokens - hit)
 
+    def _prefill_over(self, replica_id: str, request_id: str) -> None:
+        slots = self._long_prefill.get(replica_id)
+        if slots is not None and slots.pop(request_id, None) is not None and not slots:
+            del self._long_prefill[replica_id]
+
     def _unqueue(self, replica_id: str, request_id: str) -> None:
         queued = self._queued.get(replica_id)
         if queued is not None and queued.pop(request_id, None) is not None and not queued:
@@ -344,6 +400,7 @@ class Router:
         """Called when the request's first token arrives (its prefill is done): from here it
         counts only until the replica's next scrape. Unknown or repeated calls are no-ops."""
         self._unqueue(replica.replica_id, request_id)
+        self._prefill_over(replica.replica_id, request_id)
         prefilling = self._prefilling.get(replica.replica_id)
         if prefilling is None:
             return
@@ -359,6 +416,7 @@ class Router:
         ended before the next scrape no longer holds KV the scrape would have shown."""
         replica_id = replica.replica_id
         self._unqueue(replica_id, request_id)
+        self._prefill_over(replica_id, request_id)
         hosted = self._long.get(replica_id)
         if hosted is not None and hosted.pop(request_id, None) is not None and not hosted:
             del self._long[replica_id]

@@ -38,6 +38,11 @@ class ReplicaView:
     # (a long prefill arrives chunk by chunk) nor this process's in-flight record shows.
     long_floor: float = 0.0
     queued_prefill_tokens: int = 0
+    # Long prefills in flight on the replica (long contexts dispatched there, no first token
+    # yet) as the router knows them, and how many of them are very long: a long context
+    # goes where a prefill slot of its tier is free (``placement.prefill_slot_free``).
+    long_prefills: int = 0
+    very_long_prefills: int = 0
 
     def load(self, optimistic: bool = True) -> float:
         if not optimistic or self.capacity_bytes <= 0:

@@ -14,7 +14,7 @@ from gateway.admission import classes, config, estimates, long_context, placemen
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.placement import PlacementRequest, choose, score
 from gateway.admission.routing import ReplicaView
-from tests.admission.test_router import VERSION, make
+from tests.admission.test_router import BYTES_PER_TOKEN, VERSION, make
 
 CFG = AdmissionConfig()
 CAP = 1_000_000
@@ -44,6 +44,8 @@ def fleets(draw: st.DrawFn) -> list[ReplicaView]:
                 hosts_long=draw(st.booleans()),
                 cache_hit_tokens=draw(st.integers(0, 50_000)),
                 long_floor=draw(st.sampled_from([0.0, 0.0, 0.3, 0.9])),
+                long_prefills=(prefills := draw(st.integers(0, 3))),
+                very_long_prefills=draw(st.integers(0, prefills)),
             )
         )
     return out
@@ -56,7 +58,18 @@ requests = st.builds(
     st.booleans(),
     st.integers(0, 100),
     growth_bytes=st.integers(0, CAP // 2),
+    very_long=st.booleans(),
 )
+
+
+def slot_free(v: ReplicaView, very_long: bool, cfg: AdmissionConfig = CFG) -> bool:
+    """A prefill slot of the tier free on the replica, written out: the budget's tiers per
+    replica (a very long prompt: a very long slot and a slot of all; a shorter one: a slot
+    of all)."""
+    total = cfg.long_prefill_slots_per_replica + cfg.short_long_prefill_slots_per_replica
+    if very_long:
+        return v.very_long_prefills < cfg.long_prefill_slots_per_replica and v.long_prefills < total
+    return v.long_prefills < total
 
 
 def allowed(v: ReplicaView, r: PlacementRequest, cfg: AdmissionConfig = CFG) -> bool:
@@ -121,11 +134,74 @@ def test_reserved_floor_traffic_uses_the_pool_first(
 def test_long_contexts_pack_onto_the_lowest_ranked_replica_with_room(
     views: list[ReplicaView], kv: int, seed: int
 ) -> None:
+    """Packing by KV, with the prefill slots out of the way (long_prefill_placement off)."""
+    off = replace(CFG, long_prefill_placement=False)
     req = PlacementRequest("standard", kv, long_context=True)
-    pick = choose(views, req, CFG, random.Random(seed))
-    ok = [v for v in views if allowed(v, req)]
+    pick = choose(views, req, off, random.Random(seed))
+    ok = [v for v in views if allowed(v, req, off)]
     if ok:
         assert pick is not None and pick.long_rank == min(v.long_rank for v in ok)
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleets(), st.integers(0, CAP // 4), st.booleans(), st.integers(0, 2**32))
+def test_long_contexts_go_where_a_prefill_slot_of_their_tier_is_free(
+    views: list[ReplicaView], kv: int, very_long: bool, seed: int
+) -> None:
+    """The lowest-ranked designated replica with room among those with a prefill slot of the
+    request's tier free; the lowest-ranked with room when none has one (the budget, not
+    placement, bounds the fleet's long prefills)."""
+    req = PlacementRequest("standard", kv, long_context=True, very_long=very_long)
+    pick = choose(views, req, CFG, random.Random(seed))
+    ok = [v for v in views if allowed(v, req)]
+    free = [v for v in ok if slot_free(v, very_long)]
+    if not ok:
+        assert pick is None
+    elif free:
+        assert pick is not None and pick.long_rank == min(v.long_rank for v in free)
+    else:
+        assert pick is not None and pick.long_rank == min(v.long_rank for v in ok)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 3), st.integers(0, 3), st.integers(1, 2), st.integers(0, 2))
+def test_prefill_slot_free_is_the_budget_tiers_per_replica(
+    prefills: int, very: int, slots: int, lane: int
+) -> None:
+    cfg = replace(
+        CFG, long_prefill_slots_per_replica=slots, short_long_prefill_slots_per_replica=lane
+    )
+    very = min(very, prefills)
+    v = ReplicaView("a", "shared", 0.0, 0, CAP, long_rank=0, long_designated=1,
+                    long_prefills=prefills, very_long_prefills=very)  # fmt: skip
+    for tier in (True, False):
+        req = PlacementRequest("standard", 1, long_context=True, very_long=tier)
+        assert placement.prefill_slot_free(v, req, cfg) == slot_free(v, tier, cfg)
+    # a shorter prompt may take any slot a very long one may
+    long_req = PlacementRequest("standard", 1, long_context=True, very_long=True)
+    short_req = PlacementRequest("standard", 1, long_context=True, very_long=False)
+    if placement.prefill_slot_free(v, long_req, cfg):
+        assert placement.prefill_slot_free(v, short_req, cfg)
+
+
+def test_a_long_context_avoids_a_replica_prefilling_one_even_with_more_room() -> None:
+    """A 128k prompt beside another long prefill shares its replica's steps: the next
+    designated replica, emptier or not, takes it; a shorter one may take the lane there."""
+    busy = ReplicaView("a", "shared", 0.2, 0, CAP, long_rank=0, long_designated=3,
+                       hosts_long=True, long_prefills=1, very_long_prefills=1)  # fmt: skip
+    idle = ReplicaView("b", "shared", 0.5, 0, CAP, long_rank=1, long_designated=3)
+    views = [busy, idle]
+    very = PlacementRequest("standard", 10, long_context=True, very_long=True)
+    shorter = PlacementRequest("standard", 10, long_context=True, very_long=False)
+    assert choose(views, very, CFG, random.Random(0)) is idle
+    assert choose(views, shorter, CFG, random.Random(0)) is busy  # the lane: packing by KV
+    full = replace(busy, long_prefills=2)
+    assert choose([full, idle], shorter, CFG, random.Random(0)) is idle
+    # none free: packing by KV again
+    both = [busy, replace(idle, long_prefills=1, very_long_prefills=1)]
+    assert choose(both, very, CFG, random.Random(0)) is busy
+    off = replace(CFG, long_prefill_placement=False)
+    assert choose(views, very, off, random.Random(0)) is busy
 
 
 @settings(max_examples=200, deadline=None)
@@ -256,6 +332,35 @@ def test_the_router_keeps_a_long_contexts_growth_reserved_until_it_finishes() ->
     assert loads[rec.replica_id] >= 0.10 + 0.1 - 1e-9
     router.on_finish(rec, "long")
     assert {v.replica_id: v.load() for v in router.views(VERSION)}[rec.replica_id] < 0.11
+
+
+def test_the_router_counts_its_long_prefills_per_replica_until_their_first_token() -> None:
+    """Its own long contexts from dispatch to first token, per replica and tier: a very long
+    prompt avoids the designated replica prefilling one, a shorter one takes the lane there,
+    and the first token frees the slot."""
+    router, reg, _ = make(8)  # 8 shared replicas: 2 designated
+    reg.scrape(0.95, **{f"r{i}": 0.10 for i in range(8)})
+    version = replace(VERSION, prefill_tokens_per_s=1000.0, ttft_target_ms=1000)
+    very, shorter = 8_000 * BYTES_PER_TOKEN, 1_500 * BYTES_PER_TOKEN
+    assert router.very_long(version, very) and not router.very_long(version, shorter)
+    first = router.choose(version, "standard", very, long_context=True)
+    assert first is not None
+    router.on_dispatch(first, "long-1", very, long_context=True, very_long=True)
+    assert router.long_prefills(version.version, first.replica_id) == (1, 1)
+    second = router.choose(version, "standard", very, long_context=True)
+    assert second is not None and second.replica_id != first.replica_id
+    lane = router.choose(version, "standard", shorter, long_context=True)
+    assert lane is not None and lane.replica_id == first.replica_id
+    router.on_first_token(first, "long-1")
+    assert router.long_prefills(version.version, first.replica_id) == (0, 0)
+    again = router.choose(version, "standard", very, long_context=True)
+    assert again is not None and again.replica_id == first.replica_id
+    # what the other processes placed there, noted from a shared record, counts as well
+    router.note_long_prefills(version.version, {first.replica_id: (1, 1)})
+    assert router.long_prefills(version.version, first.replica_id) == (1, 1)
+    other = router.choose(version, "standard", very, long_context=True)
+    assert other is not None and other.replica_id != first.replica_id
+    router.on_finish(first, "long-1")
 
 
 def test_plain_p2c_when_context_placement_is_off() -> None:

@@ -1,0 +1,166 @@
+"""Long contexts placed by their prefill slots through a RUNNING gateway (``python -m
+gateway``), real Redis and two emulated replicas, both designated for long contexts
+(``GATEWAY_ADMISSION_LONG_CONTEXT_REPLICA_SHARE`` 1), one prefill slot each (no lane): a
+long request goes to the designated replica with no long prefill in flight, not to the
+lower-ranked one still prefilling another (``placement.prefill_slot_free``); once that one's
+first token is out, the next goes back to packing onto the lowest-ranked.
+
+The replicas hold each chat request ``LATENCY_MS`` before queueing it (the emulator's
+``extra_latency_ms`` fault): the long prefill is in flight, as the gateway sees it, until its
+first token. The version pushes a prefill rate of 2,000 tokens/s and a 1 s TTFT target, so a
+prompt of 2,000 tokens or more is a long context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import redis
+
+from contracts import schema
+from emulator.testing import SpawnedEmulator, spawn_emulator
+from gateway.admission.placement import long_context_order
+from gateway.admission.quota import long_context_tag
+from tests.admission.procs import (
+    GatewayProc,
+    Seeder,
+    chat_body,
+    held_streams,
+    metric,
+    open_stream,
+    spawn_gateway,
+)
+from tests.support import bytes_map, wait_until, wait_until_async
+
+pytestmark = pytest.mark.slow
+
+PROFILE = "llama-8b-tp1-h100"
+KV_BYTES = 128 * 1024
+KV_TOKENS = 16_384
+VERSION = "lcp-v1"
+LONG_WORDS = 2_493  # + 7 template tokens = 2,500 tokens: long (>= 2,000)
+LATENCY_MS = 2_000
+GW_ENV = {
+    "GATEWAY_ADMISSION_TPOT_STALE_FACTOR": "1",
+    "GATEWAY_ADMISSION_LONG_CONTEXT_REPLICA_SHARE": "1",
+    "GATEWAY_ADMISSION_LONG_PREFILL_SLOTS_PER_REPLICA": "1",
+    "GATEWAY_ADMISSION_SHORT_LONG_PREFILL_SLOTS_PER_REPLICA": "0",
+    "GATEWAY_ADMISSION_EST_OUT_CAP": "100",
+}
+
+
+def limits() -> dict[str, schema.LimitRecord]:
+    return {
+        "lcp": schema.LimitRecord(
+            rpm=100_000,
+            tpm=100_000_000,
+            max_context=16_000,
+            max_output=4_096,
+            kv_seconds_cap=1_000_000,
+            reserved_kv=0,
+        )
+    }
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[list[SpawnedEmulator]]:
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(
+                spawn_emulator(
+                    PROFILE, VERSION, 0.5, kv_capacity_tokens=KV_TOKENS, no_prefix_caching=True
+                )
+            )
+            for _ in range(2)
+        ]
+
+
+@pytest.fixture(scope="module")
+def rm(rdb: redis.Redis, replicas: list[SpawnedEmulator]) -> Seeder:
+    model = Seeder(rdb)
+    model.add_version(
+        schema.ModelVersionRecord(
+            version=VERSION,
+            family="lcp",
+            context_length=16_384,
+            kv_bytes_per_token=KV_BYTES,
+            tpot_target_ms=50,
+            kv_capacity_tokens=KV_TOKENS,
+            replicas=tuple(
+                schema.ReplicaRecord(f"lcp-r{i}", emu.base_url, "shared")
+                for i, emu in enumerate(replicas)
+            ),
+            prefill_tokens_per_s=2_000,
+            ttft_target_ms=1_000,
+        )
+    )
+    return model
+
+
+@pytest.fixture(scope="module")
+def gw(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, rm: Seeder
+) -> Iterator[GatewayProc]:
+    proc = spawn_gateway(tmp_path_factory.mktemp("lcp-gw"), redis_url, GW_ENV)
+    try:
+        yield proc
+    finally:
+        proc.terminate(20)
+
+
+def running(emu: SpawnedEmulator) -> float:
+    return metric(httpx.get(emu.base_url + "/metrics", timeout=5).text, "vllm:num_requests_running")
+
+
+def set_latency(emu: SpawnedEmulator, ms: int) -> None:
+    r = httpx.post(emu.base_url + "/_emulator/faults", json={"extra_latency_ms": ms}, timeout=5)
+    r.raise_for_status()
+
+
+def leases(rdb: redis.Redis) -> int:
+    """The long-context leases the fleet's ledger holds (its tenants' usage entries)."""
+    ledger = bytes_map(rdb.hgetall(f"{long_context_tag(VERSION)}:l"))
+    return sum(1 for k, v in ledger.items() if k.startswith(b"u:") and int(v) > 0)
+
+
+async def test_a_long_context_avoids_the_replica_prefilling_another(
+    rm: Seeder, rdb: redis.Redis, gw: GatewayProc, replicas: list[SpawnedEmulator]
+) -> None:
+    by_id = {f"lcp-r{i}": emu for i, emu in enumerate(replicas)}
+    first, second = long_context_order(VERSION, list(by_id))
+    await asyncio.to_thread(
+        wait_until, lambda: all(running(e) == 0 for e in replicas), 30, 0.2, "replicas idle"
+    )
+    a, b = rm.tenant("standard", limits()), rm.tenant("standard", limits())
+    body = chat_body("lcp", LONG_WORDS, 2_000, ignore_eos=True)
+    for emu in replicas:
+        set_latency(emu, LATENCY_MS)
+    try:
+        async with held_streams() as (client, held):
+            one = asyncio.create_task(open_stream(client, held, gw, a, body))
+            # admitted (its lease is in the ledger) and so placed: this process has a long
+            # prefill in flight on the lowest-ranked designated replica until its first token
+
+            async def admitted() -> bool:
+                return await asyncio.to_thread(leases, rdb) == 1
+
+            await wait_until_async(admitted, 10, 0.01, "A admitted")
+            two = await open_stream(client, held, gw, b, body)
+            assert two.status_code == 200, two.text
+            assert (await one).status_code == 200
+            # packing by KV alone would have put both on the first replica
+            assert running(by_id[first]) == 1 and running(by_id[second]) == 1
+            for emu in replicas:
+                set_latency(emu, 0)
+            # both first tokens are out: no prefill in flight, the next packs onto the first
+            three = await open_stream(client, held, gw, a, body)
+            assert three.status_code == 200, three.text
+            assert running(by_id[first]) == 2 and running(by_id[second]) == 1
+    finally:
+        for emu in replicas:
+            set_latency(emu, 0)
+    assert "Traceback" not in gw.log(), gw.log()[-3000:]
