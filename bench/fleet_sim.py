@@ -110,6 +110,17 @@ class SimRequest:
     scheduled: float | None = None
     preempted_before_first: int = 0
     preemptions: int = 0
+    # A long context's prefill on its replica (``long_prefill_contention``), this attempt:
+    # the other long prefills in flight there (dispatched, no first token yet) when it was
+    # dispatched, of them very long, and the most at once before its first token; its tier,
+    # its expected first token (s after dispatch, as its lease records it) and its prefill
+    # slot's safety expiry (s after dispatch). -1: not a long context sent to a replica.
+    long_beside: int = -1
+    long_beside_very: int = -1
+    long_beside_max: int = -1
+    long_very: bool = False
+    long_expected_s: float = 0.0
+    long_hold_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +194,15 @@ class FleetConfig:
     # long prefill in the one slot per designated replica), the arm of --lane-off
     # (bench/results/fleet_sim_isolation_lane.md).
     lane_slots: int = 1
+    # AdmissionConfig.long_prefill_placement (the gateway's default, on): a long context to a
+    # designated replica with a prefill slot of its tier free, as each gateway process knows
+    # its own long prefills in flight. False: packing by KV alone, the arm of --place-off.
+    # place_shared: each gateway process also sees the other processes' long prefills per
+    # replica (``Router.note_long_prefills``, from the simulated ledger, the arm of
+    # --place-shared): what a ledger recording each lease's replica would give.
+    prefill_placement: bool = True
+    place_shared: bool = False
+    # bench/results/fleet_sim_isolation_place.md
 
     def replica_long_prefill_tokens(self, idx: int) -> int:
         """Replica ``idx``'s --long-prefill-token-threshold (the pool is replicas
@@ -201,6 +221,7 @@ class FleetConfig:
             reserved_off_long_replicas=self.reserved_off_long,
             reserved_long_off_pool=self.reserved_long_off_pool,
             short_long_prefill_slots_per_replica=self.lane_slots,
+            long_prefill_placement=self.prefill_placement,
             layers=frozenset(layers),
         )
 
@@ -545,6 +566,9 @@ class FleetSim:
         self.ledger = LongContextLedger(version, cfg.replicas - cfg.reserved_replicas, self.adm,
                                         tells_waits=cfg.lc_told_wait)  # fmt: skip
         self.long_told_s: list[float] = []
+        # Per replica, the long prefills in flight there (lease -> request): dispatched, no
+        # first token yet (``long_prefill_contention``'s measurement).
+        self.long_prefills: list[dict[str, SimRequest]] = [{} for _ in range(cfg.replicas)]
 
     # -- events ------------------------------------------------------------------------
 
@@ -644,6 +668,7 @@ class FleetSim:
         r.first_token = None
         r.finished = None
         r.scheduled = None
+        r.long_beside = r.long_beside_very = r.long_beside_max = -1
         self.push(at, _ARRIVE, r)
 
     def _arrive(self, r: SimRequest, now: float) -> None:
@@ -681,6 +706,8 @@ class FleetSim:
                 return
         if self.adm.context_placement:
             gw.router.note_fleet_long(SIM_VERSION, self.ledger.fleet_bytes(but=lease))
+            if long_context and cfg.place_shared:
+                gw.router.note_long_prefills(SIM_VERSION, self._prefills_by_replica())
         growth = r.output * self.kv_bytes if long_context else 0  # reserved, as the gateway
         record = gw.router.choose(
             gw.version,
@@ -708,13 +735,21 @@ class FleetSim:
             r.refusal = REFUSED_REPLICA_DOWN
             self._client_retry(r, now, status="error")
             return
+        very_long = long_context and self.ledger.tier(r.prompt).very_long
         gw.router.on_dispatch(
-            record, lease, est_bytes, long_context=long_context, growth_bytes=growth
+            record,
+            lease,
+            est_bytes,
+            long_context=long_context,
+            growth_bytes=growth,
+            very_long=very_long,
         )
         r.gateway = g
         r.sent = now
         r.status = "pending"
         r.replica = idx
+        if long_context:
+            self._note_long_prefill(r, lease, idx)
         eng = rep.engine
         eng.advance_to(now)
         req = eng.add_request(
@@ -737,6 +772,32 @@ class FleetSim:
         wait = self.ledger.ask(r.tenant, lease, need, r.prompt, now, output=r.output)
         r.long_lease = wait is None
         return wait
+
+    def _prefills_by_replica(self) -> dict[str, tuple[int, int]]:
+        """The long prefills in flight per replica, all gateways' (all, very long)."""
+        return {
+            str(i): (len(d), sum(1 for o in d.values() if o.long_very))
+            for i, d in enumerate(self.long_prefills)
+            if d
+        }
+
+    def _note_long_prefill(self, r: SimRequest, lease: str, idx: int) -> None:
+        """Record a long context dispatched to replica ``idx``: the long prefills already in
+        flight there, its tier, its expected first token (its lease's record; a reserved one,
+        outside the budget, its lone estimate) and its slot's safety expiry."""
+        inflight = self.long_prefills[idx]
+        tier = self.ledger.tier(r.prompt)
+        held = self.ledger.leases.get(lease)
+        r.long_beside = len(inflight)
+        r.long_beside_very = sum(1 for o in inflight.values() if o.long_very)
+        r.long_beside_max = len(inflight)
+        r.long_very = tier.very_long
+        due_ms = held.first_token_due_ms - held.admitted_ms if held else tier.prefill_ms
+        r.long_expected_s = max(1, due_ms) / 1000
+        r.long_hold_s = tier.hold_s
+        inflight[lease] = r
+        for other in inflight.values():
+            other.long_beside_max = max(other.long_beside_max, len(inflight) - 1)
 
     def _long_release(self, r: SimRequest, lease: str) -> None:
         if r.long_lease:
@@ -768,6 +829,7 @@ class FleetSim:
                 h.scheduled = req.first_scheduled_time
                 h.preempted_before_first = req.num_preemptions
                 self.ledger.prefilled(req.request_id, end)
+                self.long_prefills[idx].pop(req.request_id, None)
                 gw = self.gws[req.handle.gateway]
                 gw.router.on_first_token(gw.records[idx], req.request_id)
         for req in res.finished:
@@ -775,6 +837,7 @@ class FleetSim:
             gw = self.gws[r.gateway]
             gw.router.on_finish(gw.records[idx], req.request_id)
             self._long_release(r, req.request_id)
+            self.long_prefills[idx].pop(req.request_id, None)
             r.finished = end
             r.preemptions = req.num_preemptions
             r.status = "ok"
@@ -801,6 +864,7 @@ class FleetSim:
                 gw = self.gws[r.gateway]
                 gw.router.on_finish(gw.records[rep.idx], f"{r.rid}.{r.attempt}")
                 self._long_release(r, f"{r.rid}.{r.attempt}")
+                self.long_prefills[rep.idx].pop(f"{r.rid}.{r.attempt}", None)
                 self._tick["errors"] += 1
                 r.refusal = REFUSED_REPLICA_DOWN
                 self._client_retry(r, now, status="error")
@@ -978,6 +1042,8 @@ def isolation_experiments(
     pool_caps: tuple[int, ...] = (),
     lc_before: bool = False,
     lane_off: bool = False,
+    place_off: bool = False,
+    place_shared: bool = False,
 ) -> dict[str, FleetConfig]:
     """The several-heavy-tenants variant, old policy against new in one run: ``heavy``
     standard tenants flooding 128k prompts (at ``heavy_rates``, cycled) on top of the
@@ -993,7 +1059,10 @@ def isolation_experiments(
     --long-prefill-token-threshold values (the shared replicas unchanged); with
     ``lc_before``, also the new policy with the simulated ledger as before it told waits
     (``FleetConfig.lc_told_wait`` off); with ``lane_off``, also the new policy without the
-    long-context budget's lane (``FleetConfig.lane_slots`` 0: one tier)."""
+    long-context budget's lane (``FleetConfig.lane_slots`` 0: one tier); with ``place_off``,
+    also the new policy packing long contexts by KV alone (``FleetConfig.prefill_placement``
+    off); with ``place_shared``, also the new policy with every gateway seeing all long
+    prefills in flight per replica (``FleetConfig.place_shared``)."""
     base = scale.config(seed)
     if heavy_duration_s:
         base = replace(base, duration_s=heavy_duration_s, warmup_s=heavy_duration_s / 3)
@@ -1009,6 +1078,12 @@ def isolation_experiments(
         )
     if lane_off:
         out[f"new, lane off, {heavy} heavy tenants"] = replace(new, lane_slots=0)
+    if place_off:
+        out[f"new, packed by KV only, {heavy} heavy tenants"] = replace(
+            new, prefill_placement=False
+        )
+    if place_shared:
+        out[f"new, shared prefill counts, {heavy} heavy tenants"] = replace(new, place_shared=True)
     if reserved_rule_off:
         out[f"new, reserved on idle designated replicas, {heavy} heavy tenants"] = replace(
             new, reserved_off_long=False
@@ -1337,9 +1412,82 @@ def write_isolation_report(
     rows += _reserved_section(results, sizing_probes)
     rows += _pooled_reserved_section(results)
     rows += _pooled_bands_section(results)
+    if any(r.cfg.isolation for r in results.values()):
+        rows += _contention_section(results)
     path = out_dir / report_name
     path.write_text("\n".join(rows) + "\n")
     return path
+
+
+@dataclass(frozen=True, slots=True)
+class ContentionRow:
+    """``long_prefill_contention``'s figures for one tier and one count of long prefills
+    already in flight on the replica at dispatch."""
+
+    very_long: bool
+    beside: int  # other long prefills in flight there at dispatch (the last row: this or more)
+    n: int
+    ratio_p50: float  # first token / expected first token (its lease's record)
+    ratio_p90: float
+    after_expiry: int  # first token after its prefill slot's safety expiry
+
+
+def long_prefill_contention(requests: list[SimRequest], max_beside: int = 3) -> list[ContentionRow]:
+    """Long contexts sent to a replica whose prefill produced a first token (every attempt
+    kept is the last one of its request; the whole run): per tier and per count of other
+    long prefills in flight on the replica when it was dispatched (``SimRequest.long_beside``,
+    ``max_beside`` and more in one row), how long its first token took against the time its
+    lease expects (``long_expected_s``), and how many came after the slot's safety expiry
+    (``long_hold_s``): a prefill the budget no longer counts while the replica runs it.
+    A row per tier with ``beside`` -1 covers all counts."""
+    out: list[ContentionRow] = []
+    for very in (True, False):
+        done = [
+            r
+            for r in requests
+            if r.long_beside >= 0 and r.long_very == very and r.first_token is not None
+        ]
+        groups: list[tuple[int, list[SimRequest]]] = [(-1, done)]
+        groups += [
+            (b, [r for r in done if min(r.long_beside, max_beside) == b])
+            for b in range(max_beside + 1)
+        ]
+        for b, rs in groups:
+            if not rs:
+                continue
+            waits = [(r.first_token or 0.0) - r.sent for r in rs]
+            ratios = [w / r.long_expected_s for w, r in zip(waits, rs, strict=True)]
+            late = sum(1 for w, r in zip(waits, rs, strict=True) if w > r.long_hold_s)
+            out.append(ContentionRow(very, b, len(rs), _p(ratios, 50), _p(ratios, 90), late))
+    return out
+
+
+def _contention_section(results: dict[str, SimResult]) -> list[str]:
+    """``long_prefill_contention`` for every run that placed long contexts."""
+    rows = [
+        "",
+        "## Long prefills sharing a replica",
+        "",
+        "Every long context sent to a replica whose first token came (whole run): the other "
+        "long prefills in flight on its replica when it was dispatched (dispatched, no first "
+        "token yet), its first token over the one its lease expects, and how many came after "
+        "the prefill slot's safety expiry, when the budget no longer counts the prefill the "
+        "replica still runs (`bench.fleet_sim.long_prefill_contention`).",
+        "",
+        "| run | tier | long prefills beside it at dispatch | n | first token / expected p50 / "
+        "p90 | after the safety expiry |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, res in results.items():
+        for c in long_prefill_contention(res.requests):
+            beside = "all" if c.beside < 0 else f"{c.beside}+" if c.beside == 3 else c.beside
+            rows.append(
+                _md_row([
+                    name, "very long" if c.very_long else "shorter", beside, c.n,
+                    f"{c.ratio_p50:.1f} / {c.ratio_p90:.1f}", c.after_expiry,
+                ])
+            )  # fmt: skip
+    return rows
 
 
 def _told_cell(told_s: list[float]) -> str:
@@ -2084,6 +2232,20 @@ def main(argv: list[str] | None = None) -> int:
         "designated replica, the one-tier rule)",
     )
     ap.add_argument(
+        "--place-off",
+        action="store_true",
+        help="isolation runs: also run the new policy packing long contexts onto the "
+        "designated replicas by KV alone (long_prefill_placement off), without regard to "
+        "the long prefills in flight on each",
+    )
+    ap.add_argument(
+        "--place-shared",
+        action="store_true",
+        help="isolation runs: also run the new policy with every gateway seeing all "
+        "gateways' long prefills in flight per replica (Router.note_long_prefills from the "
+        "simulated ledger), not only its own",
+    )
+    ap.add_argument(
         "--skip-arm",
         action="append",
         default=[],
@@ -2159,6 +2321,7 @@ def main(argv: list[str] | None = None) -> int:
                 reserved_rule_off=args.reserved_rule_off,
                 reserved_long_rule_on=args.reserved_long_rule_on, pool_caps=pool_caps,
                 lc_before=args.lc_before, lane_off=args.lane_off,
+                place_off=args.place_off, place_shared=args.place_shared,
             )  # fmt: skip
             exps.update({k + (f", seed {seed}" if seeds else ""): v for k, v in arms.items()})
         exps = {k: v for k, v in exps.items() if not any(t in k for t in args.skip_arm)}
