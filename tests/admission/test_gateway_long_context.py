@@ -56,9 +56,9 @@ GW_ENV = {
 }
 
 
-def limits() -> dict[str, schema.LimitRecord]:
+def limits(model: str = "lc") -> dict[str, schema.LimitRecord]:
     return {
-        "lc": schema.LimitRecord(
+        model: schema.LimitRecord(
             rpm=100_000,
             tpm=100_000_000,
             max_context=16_000,
@@ -69,17 +69,45 @@ def limits() -> dict[str, schema.LimitRecord]:
     }
 
 
-@pytest.fixture(scope="module")
-def replicas() -> Iterator[list[SpawnedEmulator]]:
+@contextlib.contextmanager
+def two_replicas(version: str) -> Iterator[list[SpawnedEmulator]]:
+    """Two emulated replicas of ``version`` (16,384 tokens of KV, no prefix caching)."""
     with contextlib.ExitStack() as stack:
         yield [
             stack.enter_context(
                 spawn_emulator(
-                    PROFILE, VERSION, 0.5, kv_capacity_tokens=KV_TOKENS, no_prefix_caching=True
+                    PROFILE, version, 0.5, kv_capacity_tokens=KV_TOKENS, no_prefix_caching=True
                 )
             )
             for _ in range(2)
         ]
+
+
+def long_context_version(
+    version: str, family: str, replicas: list[SpawnedEmulator]
+) -> schema.ModelVersionRecord:
+    """The version on ``replicas`` (ids ``<family>-r<i>``, all shared): 2,000 tokens/s and a
+    1 s TTFT target, so a prompt of 2,000 tokens or more is a long context."""
+    return schema.ModelVersionRecord(
+        version=version,
+        family=family,
+        context_length=16_384,
+        kv_bytes_per_token=KV_BYTES,
+        tpot_target_ms=50,
+        kv_capacity_tokens=KV_TOKENS,
+        replicas=tuple(
+            schema.ReplicaRecord(f"{family}-r{i}", emu.base_url, "shared")
+            for i, emu in enumerate(replicas)
+        ),
+        prefill_tokens_per_s=2_000,
+        ttft_target_ms=1_000,
+    )
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[list[SpawnedEmulator]]:
+    with two_replicas(VERSION) as emus:
+        yield emus
 
 
 @pytest.fixture(scope="module")
@@ -90,22 +118,7 @@ def designated(replicas: list[SpawnedEmulator]) -> str:
 @pytest.fixture(scope="module")
 def rm(rdb: redis.Redis, replicas: list[SpawnedEmulator]) -> Seeder:
     model = Seeder(rdb)
-    model.add_version(
-        schema.ModelVersionRecord(
-            version=VERSION,
-            family="lc",
-            context_length=16_384,
-            kv_bytes_per_token=KV_BYTES,
-            tpot_target_ms=50,
-            kv_capacity_tokens=KV_TOKENS,
-            replicas=tuple(
-                schema.ReplicaRecord(f"lc-r{i}", emu.base_url, "shared")
-                for i, emu in enumerate(replicas)
-            ),
-            prefill_tokens_per_s=2_000,
-            ttft_target_ms=1_000,
-        )
-    )
+    model.add_version(long_context_version(VERSION, "lc", replicas))
     return model
 
 

@@ -14,15 +14,13 @@ prompt of 2,000 tokens or more is a long context.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import redis
 
-from contracts import schema
-from emulator.testing import SpawnedEmulator, spawn_emulator
+from emulator.testing import SpawnedEmulator
 from gateway.admission.placement import long_context_order
 from gateway.admission.quota import long_context_tag
 from tests.admission.procs import (
@@ -30,19 +28,21 @@ from tests.admission.procs import (
     Seeder,
     chat_body,
     held_streams,
-    metric,
     open_stream,
     spawn_gateway,
+)
+from tests.admission.test_gateway_long_context import (
+    LONG_WORDS,
+    limits,
+    long_context_version,
+    running,
+    two_replicas,
 )
 from tests.support import bytes_map, wait_until, wait_until_async
 
 pytestmark = pytest.mark.slow
 
-PROFILE = "llama-8b-tp1-h100"
-KV_BYTES = 128 * 1024
-KV_TOKENS = 16_384
 VERSION = "lcp-v1"
-LONG_WORDS = 2_493  # + 7 template tokens = 2,500 tokens: long (>= 2,000)
 LATENCY_MS = 2_000
 GW_ENV = {
     "GATEWAY_ADMISSION_TPOT_STALE_FACTOR": "1",
@@ -53,51 +53,16 @@ GW_ENV = {
 }
 
 
-def limits() -> dict[str, schema.LimitRecord]:
-    return {
-        "lcp": schema.LimitRecord(
-            rpm=100_000,
-            tpm=100_000_000,
-            max_context=16_000,
-            max_output=4_096,
-            kv_seconds_cap=1_000_000,
-            reserved_kv=0,
-        )
-    }
-
-
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[list[SpawnedEmulator]]:
-    with contextlib.ExitStack() as stack:
-        yield [
-            stack.enter_context(
-                spawn_emulator(
-                    PROFILE, VERSION, 0.5, kv_capacity_tokens=KV_TOKENS, no_prefix_caching=True
-                )
-            )
-            for _ in range(2)
-        ]
+    with two_replicas(VERSION) as emus:
+        yield emus
 
 
 @pytest.fixture(scope="module")
 def rm(rdb: redis.Redis, replicas: list[SpawnedEmulator]) -> Seeder:
     model = Seeder(rdb)
-    model.add_version(
-        schema.ModelVersionRecord(
-            version=VERSION,
-            family="lcp",
-            context_length=16_384,
-            kv_bytes_per_token=KV_BYTES,
-            tpot_target_ms=50,
-            kv_capacity_tokens=KV_TOKENS,
-            replicas=tuple(
-                schema.ReplicaRecord(f"lcp-r{i}", emu.base_url, "shared")
-                for i, emu in enumerate(replicas)
-            ),
-            prefill_tokens_per_s=2_000,
-            ttft_target_ms=1_000,
-        )
-    )
+    model.add_version(long_context_version(VERSION, "lcp", replicas))
     return model
 
 
@@ -110,10 +75,6 @@ def gw(
         yield proc
     finally:
         proc.terminate(20)
-
-
-def running(emu: SpawnedEmulator) -> float:
-    return metric(httpx.get(emu.base_url + "/metrics", timeout=5).text, "vllm:num_requests_running")
 
 
 def set_latency(emu: SpawnedEmulator, ms: int) -> None:
@@ -135,7 +96,7 @@ async def test_a_long_context_avoids_the_replica_prefilling_another(
     await asyncio.to_thread(
         wait_until, lambda: all(running(e) == 0 for e in replicas), 30, 0.2, "replicas idle"
     )
-    a, b = rm.tenant("standard", limits()), rm.tenant("standard", limits())
+    a, b = rm.tenant("standard", limits("lcp")), rm.tenant("standard", limits("lcp"))
     body = chat_body("lcp", LONG_WORDS, 2_000, ignore_eos=True)
     for emu in replicas:
         set_latency(emu, LATENCY_MS)
