@@ -194,13 +194,13 @@ class FleetConfig:
     # long prefill in the one slot per designated replica), the arm of --lane-off
     # (bench/results/fleet_sim_isolation_lane.md).
     lane_slots: int = 1
-    # AdmissionConfig.long_prefill_placement (the gateway's default, on): a long context to a
-    # designated replica with a prefill slot of its tier free, as each gateway process knows
-    # its own long prefills in flight. False: packing by KV alone, the arm of --place-off.
-    # place_shared: each gateway process also sees the other processes' long prefills per
-    # replica (``Router.note_long_prefills``, from the simulated ledger, the arm of
-    # --place-shared): what a ledger recording each lease's replica would give.
-    prefill_placement: bool = True
+    # AdmissionConfig.long_prefill_placement (the gateway's default, off): a long context to
+    # a designated replica with a prefill slot of its tier free, as each gateway process
+    # knows its own long prefills in flight (the arm of --place-own); off: packing by KV
+    # alone. place_shared: each gateway process also sees the other processes' long
+    # prefills per replica (``Router.note_long_prefills``, from the simulated ledger, the
+    # arm of --place-shared): what a ledger recording each lease's replica would give.
+    prefill_placement: bool = False
     place_shared: bool = False
     # bench/results/fleet_sim_isolation_place.md
 
@@ -1042,7 +1042,7 @@ def isolation_experiments(
     pool_caps: tuple[int, ...] = (),
     lc_before: bool = False,
     lane_off: bool = False,
-    place_off: bool = False,
+    place_own: bool = False,
     place_shared: bool = False,
 ) -> dict[str, FleetConfig]:
     """The several-heavy-tenants variant, old policy against new in one run: ``heavy``
@@ -1059,10 +1059,10 @@ def isolation_experiments(
     --long-prefill-token-threshold values (the shared replicas unchanged); with
     ``lc_before``, also the new policy with the simulated ledger as before it told waits
     (``FleetConfig.lc_told_wait`` off); with ``lane_off``, also the new policy without the
-    long-context budget's lane (``FleetConfig.lane_slots`` 0: one tier); with ``place_off``,
-    also the new policy packing long contexts by KV alone (``FleetConfig.prefill_placement``
-    off); with ``place_shared``, also the new policy with every gateway seeing all long
-    prefills in flight per replica (``FleetConfig.place_shared``)."""
+    long-context budget's lane (``FleetConfig.lane_slots`` 0: one tier); with ``place_own``,
+    also the new policy placing long contexts by their prefill slots as each gateway knows
+    its own (``FleetConfig.prefill_placement``); with ``place_shared``, also that with every
+    gateway seeing all long prefills in flight per replica (``FleetConfig.place_shared``)."""
     base = scale.config(seed)
     if heavy_duration_s:
         base = replace(base, duration_s=heavy_duration_s, warmup_s=heavy_duration_s / 3)
@@ -1078,12 +1078,14 @@ def isolation_experiments(
         )
     if lane_off:
         out[f"new, lane off, {heavy} heavy tenants"] = replace(new, lane_slots=0)
-    if place_off:
-        out[f"new, packed by KV only, {heavy} heavy tenants"] = replace(
-            new, prefill_placement=False
+    if place_own:
+        out[f"new, prefill slots per gateway, {heavy} heavy tenants"] = replace(
+            new, prefill_placement=True
         )
     if place_shared:
-        out[f"new, shared prefill counts, {heavy} heavy tenants"] = replace(new, place_shared=True)
+        out[f"new, prefill slots fleet-wide, {heavy} heavy tenants"] = replace(
+            new, prefill_placement=True, place_shared=True
+        )
     if reserved_rule_off:
         out[f"new, reserved on idle designated replicas, {heavy} heavy tenants"] = replace(
             new, reserved_off_long=False
@@ -2232,16 +2234,16 @@ def main(argv: list[str] | None = None) -> int:
         "designated replica, the one-tier rule)",
     )
     ap.add_argument(
-        "--place-off",
+        "--place-own",
         action="store_true",
-        help="isolation runs: also run the new policy packing long contexts onto the "
-        "designated replicas by KV alone (long_prefill_placement off), without regard to "
-        "the long prefills in flight on each",
+        help="isolation runs: also run the new policy placing long contexts on designated "
+        "replicas with a prefill slot of their tier free (long_prefill_placement), each "
+        "gateway knowing its own long prefills in flight",
     )
     ap.add_argument(
         "--place-shared",
         action="store_true",
-        help="isolation runs: also run the new policy with every gateway seeing all "
+        help="isolation runs: also run --place-own's policy with every gateway seeing all "
         "gateways' long prefills in flight per replica (Router.note_long_prefills from the "
         "simulated ledger), not only its own",
     )
@@ -2321,7 +2323,7 @@ def main(argv: list[str] | None = None) -> int:
                 reserved_rule_off=args.reserved_rule_off,
                 reserved_long_rule_on=args.reserved_long_rule_on, pool_caps=pool_caps,
                 lc_before=args.lc_before, lane_off=args.lane_off,
-                place_off=args.place_off, place_shared=args.place_shared,
+                place_own=args.place_own, place_shared=args.place_shared,
             )  # fmt: skip
             exps.update({k + (f", seed {seed}" if seeds else ""): v for k, v in arms.items()})
         exps = {k: v for k, v in exps.items() if not any(t in k for t in args.skip_arm)}

@@ -170,14 +170,18 @@ class AdmissionConfig:
     # contexts"). 0 lane slots: one tier, as before.
     short_long_prefill_slots_per_replica: int = 1
     very_long_prefill_ttft_factor: float = 4.0
-    # With context placement: a long context goes to a designated replica with a prefill
-    # slot of its tier free (per replica, the slot counts above: the long prefills in flight
-    # there, from dispatch to first token), packing by KV among those; the designated
-    # replicas without one only when none has. Off: packing by KV alone, as before, which
-    # stacked several long prefills on one replica: they share each step's prefill budget
-    # and each ran at a fraction of its lone speed, past its slot's safety expiry
-    # (bench/results/fleet_sim_isolation_place.md).
-    long_prefill_placement: bool = True
+    # With context placement, on: a long context goes to a designated replica with a
+    # prefill slot of its tier free (per replica, the slot counts above: the long prefills in
+    # flight there, from dispatch to first token, as this process knows them), packing by KV
+    # among those; the designated replicas without one only when none has. Off (the
+    # default): packing by KV alone, which stacks several long prefills on one replica, where
+    # they share each step's prefill budget and each runs at a fraction of its lone speed.
+    # Measured with four gateway processes (bench/results/fleet_sim_isolation_place.md), each
+    # process's own count left the stacking as it was and cost the others 0.3-0.4 points of
+    # attainment; a fleet-wide count ended most of it, but spread long contexts off the
+    # packing order the router's long-context floor assumes (``Router.views``), and placement
+    # refused more long contexts the budget had admitted.
+    long_prefill_placement: bool = False
     # The share of a replica step's token budget one prefill may take: vLLM's
     # --long-prefill-token-threshold over max_num_batched_tokens (5,242 / 8,192 in the
     # platform's replica command, 655 / 1,024 in the benches). A lane prompt beside a very

@@ -13,11 +13,11 @@ cache hit, say) cannot quietly bypass an older one:
 - **bands** (multiples of ``BAND``): a preference no fractional term can override.
   Floor traffic: the reserved pool first. Long-context requests: the lowest-ranked
   designated replica with room (packing: as few replicas as the ceilings allow) among
-  those with a prefill slot of the request's tier free (``prefill_slot_free``, with
-  ``long_prefill_placement``: the long prefills in flight there, from dispatch to first
-  token, against the budget's per-replica slots; not for reserved long contexts, which are
-  outside the budget and placed as before), then the others; packed by KV alone,
-  several long prefills shared one replica's steps, each at a fraction of its lone speed
+  those with a prefill slot of the request's tier free when ``long_prefill_placement`` is
+  on (off by default; ``prefill_slot_free``: the long prefills in flight there, from
+  dispatch to first token, against the budget's per-replica slots; not for reserved long
+  contexts, which are outside the budget), then the others. Packed by KV alone, several
+  long prefills share one replica's steps, each at a fraction of its lone speed
   (bench/results/fleet_sim_isolation_place.md). Short
   requests: replicas that host no long context first; short reserved requests also keep
   off the designated replicas that host none yet (``reserved_off_long_replicas``): a

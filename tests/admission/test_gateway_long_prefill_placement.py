@@ -1,9 +1,10 @@
 """Long contexts placed by their prefill slots through a RUNNING gateway (``python -m
 gateway``), real Redis and two emulated replicas, both designated for long contexts
-(``GATEWAY_ADMISSION_LONG_CONTEXT_REPLICA_SHARE`` 1), one prefill slot each (no lane): a
-long request goes to the designated replica with no long prefill in flight, not to the
-lower-ranked one still prefilling another (``placement.prefill_slot_free``); once that one's
-first token is out, the next goes back to packing onto the lowest-ranked.
+(``GATEWAY_ADMISSION_LONG_CONTEXT_REPLICA_SHARE`` 1), one prefill slot each (no lane), with
+``GATEWAY_ADMISSION_LONG_PREFILL_PLACEMENT`` on (off by default): a long request goes to the
+designated replica with no long prefill in flight, not to the lower-ranked one still
+prefilling another (``placement.prefill_slot_free``); once that one's first token is out,
+the next goes back to packing onto the lowest-ranked.
 
 The replicas hold each chat request ``LATENCY_MS`` before queueing it (the emulator's
 ``extra_latency_ms`` fault): the long prefill is in flight, as the gateway sees it, until its
@@ -50,6 +51,7 @@ GW_ENV = {
     "GATEWAY_ADMISSION_LONG_PREFILL_SLOTS_PER_REPLICA": "1",
     "GATEWAY_ADMISSION_SHORT_LONG_PREFILL_SLOTS_PER_REPLICA": "0",
     "GATEWAY_ADMISSION_EST_OUT_CAP": "100",
+    "GATEWAY_ADMISSION_LONG_PREFILL_PLACEMENT": "1",  # off by default
 }
 
 

@@ -13,10 +13,12 @@ from contracts import schema
 from gateway.admission import classes, config, estimates, long_context, placement
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.placement import PlacementRequest, choose, score
+from gateway.admission.router import Router
 from gateway.admission.routing import ReplicaView
 from tests.admission.test_router import BYTES_PER_TOKEN, VERSION, make
 
 CFG = AdmissionConfig()
+SLOTS = replace(CFG, long_prefill_placement=True)  # placement by prefill slots (off by default)
 CAP = 1_000_000
 CLASSES = ("reserved", "standard", "best_effort")
 
@@ -152,7 +154,7 @@ def test_long_contexts_go_where_a_prefill_slot_of_their_tier_is_free(
     request's tier free; the lowest-ranked with room when none has one (the budget, not
     placement, bounds the fleet's long prefills)."""
     req = PlacementRequest("standard", kv, long_context=True, very_long=very_long)
-    pick = choose(views, req, CFG, random.Random(seed))
+    pick = choose(views, req, SLOTS, random.Random(seed))
     ok = [v for v in views if allowed(v, req)]
     free = [v for v in ok if slot_free(v, very_long)]
     if not ok:
@@ -193,15 +195,14 @@ def test_a_long_context_avoids_a_replica_prefilling_one_even_with_more_room() ->
     views = [busy, idle]
     very = PlacementRequest("standard", 10, long_context=True, very_long=True)
     shorter = PlacementRequest("standard", 10, long_context=True, very_long=False)
-    assert choose(views, very, CFG, random.Random(0)) is idle
-    assert choose(views, shorter, CFG, random.Random(0)) is busy  # the lane: packing by KV
+    assert choose(views, very, SLOTS, random.Random(0)) is idle
+    assert choose(views, shorter, SLOTS, random.Random(0)) is busy  # the lane: packing by KV
     full = replace(busy, long_prefills=2)
-    assert choose([full, idle], shorter, CFG, random.Random(0)) is idle
+    assert choose([full, idle], shorter, SLOTS, random.Random(0)) is idle
     # none free: packing by KV again
     both = [busy, replace(idle, long_prefills=1, very_long_prefills=1)]
-    assert choose(both, very, CFG, random.Random(0)) is busy
-    off = replace(CFG, long_prefill_placement=False)
-    assert choose(views, very, off, random.Random(0)) is busy
+    assert choose(both, very, SLOTS, random.Random(0)) is busy
+    assert choose(views, very, CFG, random.Random(0)) is busy  # off, the default: by KV
 
 
 @settings(max_examples=200, deadline=None)
@@ -338,7 +339,8 @@ def test_the_router_counts_its_long_prefills_per_replica_until_their_first_token
     """Its own long contexts from dispatch to first token, per replica and tier: a very long
     prompt avoids the designated replica prefilling one, a shorter one takes the lane there,
     and the first token frees the slot."""
-    router, reg, _ = make(8)  # 8 shared replicas: 2 designated
+    router, reg, now = make(8)  # 8 shared replicas: 2 designated
+    router = Router(reg, random.Random(1), config=SLOTS, clock=lambda: now[0])
     reg.scrape(0.95, **{f"r{i}": 0.10 for i in range(8)})
     version = replace(VERSION, prefill_tokens_per_s=1000.0, ttft_target_ms=1000)
     very, shorter = 8_000 * BYTES_PER_TOKEN, 1_500 * BYTES_PER_TOKEN
