@@ -30,6 +30,7 @@ import orjson
 
 from bench.stats import Outcome
 from bench.workload import PromptFactory, RequestSpec
+from gateway.admission.long_context import REFUSAL_CLAUSE_HEADER
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,8 @@ class RawResult:
     cut_at: float | None = None  # when the deadline cut it off
     attempts: int = 0  # HTTP attempts made: 1 + the client's retries (0: never sent)
     retry_cut: bool = False  # the deadline cut it off while it waited to retry a refusal
+    # each refused attempt's clause header ("-": none) and retry-after (wall s; None: none)
+    refusals: list[tuple[str, float | None]] = field(default_factory=list)
 
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:
@@ -283,6 +286,8 @@ class LoadGenerator:
                 res.status = resp.status
                 if resp.status != 200:
                     res.retry_after_s = _retry_after(resp.headers)
+                    clause = resp.headers.get(REFUSAL_CLAUSE_HEADER, "-")
+                    res.refusals.append((clause, res.retry_after_s))
                     body = await resp.read()
                     res.error = body[:300].decode("utf-8", "replace")
                     if not retries_left:
@@ -426,4 +431,5 @@ def to_outcome(raw: RawResult, admission_class: str, speed: float) -> Outcome:
         retry_after_s=raw.retry_after_s,
         attempts=raw.attempts,
         retry_cut=raw.retry_cut,
+        refusals=[(c, None if w is None else w * speed) for c, w in raw.refusals],
     )
