@@ -137,14 +137,23 @@ def refused_counts(outs: Sequence[Outcome], tenant_id: str) -> Refused:
     )
 
 
+def _budget_long(o: Outcome, noisy_ids: set[str]) -> bool:
+    """A long prompt of a tenant that does not flood and draws on the long-context budget
+    (reserved tenants do not: bench/results/nn_lane/README.md counts the standard tenants')."""
+    return (
+        o.tenant_id not in noisy_ids
+        and o.admission_class != "reserved"
+        and o.prompt_tokens >= LONG_PROMPT_TOKENS
+    )
+
+
 def _final_long_refusals(outs: Sequence[Outcome], noisy_ids: set[str]) -> list[Outcome]:
-    """The non-noisy tenants' long prompts finally refused by the long-context budget (the
-    "(n of m long)" count of ``refused_counts``)."""
+    """Those long prompts finally refused by the long-context budget (the "(n of m long)"
+    count of ``refused_counts``)."""
     return [
         o
         for o in outs
-        if o.tenant_id not in noisy_ids
-        and o.prompt_tokens >= LONG_PROMPT_TOKENS
+        if _budget_long(o, noisy_ids)
         and o.refused
         and o.status == 503
         and _long_context_refusal(o.error)
@@ -156,24 +165,21 @@ def _counted(counts: Counter[str]) -> str:
 
 
 def clause_row(label: str, per_seed: Sequence[Sequence[Outcome]], noisy_ids: set[str]) -> str:
-    """One row of the refusals-by-clause table: the non-noisy tenants' long prompts finally
-    refused per seed and pooled, the clause of their last refusal (the gateway's
-    ``x-fairway-refusal-clause``, ``gateway.admission.long_context.LongContextClause``), the
-    wait that refusal told, and every long-context refusal of those tenants' long prompts
-    (served in the end or not) by clause."""
+    """One row of the refusals-by-clause table: the long prompts of the tenants that do not
+    flood and draw on the budget (``_budget_long``) finally refused per seed and pooled,
+    the clause of their last refusal (the gateway's ``x-fairway-refusal-clause``,
+    ``gateway.admission.long_context.LongContextClause``), the wait that refusal told, and
+    every long-context refusal of those tenants' long prompts (served in the end or not)
+    by clause."""
     finals = [_final_long_refusals(outs, noisy_ids) for outs in per_seed]
-    long_sent = sum(
-        o.tenant_id not in noisy_ids and o.prompt_tokens >= LONG_PROMPT_TOKENS
-        for outs in per_seed
-        for o in outs
-    )
+    long_sent = sum(_budget_long(o, noisy_ids) for outs in per_seed for o in outs)
     last = Counter(o.refusals[-1][0] if o.refusals else "unrecorded" for f in finals for o in f)
     told = [o.refusals[-1][1] for f in finals for o in f if o.refusals and o.refusals[-1][1]]
     every: Counter[str] = Counter(
         clause
         for outs in per_seed
         for o in outs
-        if o.tenant_id not in noisy_ids and o.prompt_tokens >= LONG_PROMPT_TOKENS
+        if _budget_long(o, noisy_ids)
         for clause, _ in o.refusals
         if clause != "-"
     )
@@ -461,9 +467,10 @@ def _pooled_section(
     detail: list[str] = []
     clauses = [
         "",
-        f"Long prompts (≥ {LONG_PROMPT_TOKENS:,} tokens) of the tenants that do not flood, "
-        "finally refused by the long-context budget, by the clause that refused them "
-        "(the 503's `x-fairway-refusal-clause`; the wait told in model seconds):",
+        f"Long prompts (≥ {LONG_PROMPT_TOKENS:,} tokens) of the tenants that do not flood "
+        "(reserved ones aside: they do not draw on the budget), finally refused by the "
+        "long-context budget, by the clause that refused them (the 503's "
+        "`x-fairway-refusal-clause`; the wait told in model seconds):",
         "",
         *CLAUSE_HEADERS,
     ]

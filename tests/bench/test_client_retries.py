@@ -361,8 +361,11 @@ def test_the_report_breaks_finally_refused_long_prompts_down_by_clause() -> None
     long = LONG_PROMPT_TOKENS
     err = '{"error": {"code": "long_context_capacity"}}'
 
-    def out(rid: str, tenant: str, status: int, clauses: list[str], tokens: int = long) -> Outcome:
-        return Outcome(rid, tenant, "standard", status, 0.0, prompt_tokens=tokens,
+    def out(
+        rid: str, tenant: str, status: int, clauses: list[str], tokens: int = long,
+        cls: str = "standard",
+    ) -> Outcome:  # fmt: skip
+        return Outcome(rid, tenant, cls, status, 0.0, prompt_tokens=tokens,
                        error=err if status == 503 else None, attempts=len(clauses) + 1,
                        refusals=[(c, 1.5) for c in clauses])  # fmt: skip
 
@@ -371,6 +374,7 @@ def test_the_report_breaks_finally_refused_long_prompts_down_by_clause() -> None
         out("b", "std-2", 200, ["slot_share"]),  # served after one refusal
         out("c", "noisy-1", 503, ["long_slots_full"] * 3),  # the flooder's: not counted
         out("d", "std-1", 503, ["-"] * 3, tokens=100),  # a short prompt: not counted
+        out("f", "ent", 200, [], cls="reserved"),  # reserved: not on the budget
     ]
     seed8 = [out("e", "std-2", 503, ["yield_slot"] * 3)]
     row = clause_row("1 × c", [seed7, seed8], {"noisy-1"})
