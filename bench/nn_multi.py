@@ -56,6 +56,7 @@ from bench.stats import (
 )
 from bench.workload import NOISY_PROMPT_TOKENS, build_workload
 from emulator.profiles import LLAMA_70B_TP4_H100
+from gateway.admission.long_context import LongContextClause
 
 STANDARD_CEILING = 0.85
 
@@ -160,6 +161,9 @@ def _final_long_refusals(outs: Sequence[Outcome], noisy_ids: set[str]) -> list[O
     ]
 
 
+CLAUSE_LABELS = frozenset(c.label for c in LongContextClause)
+
+
 def _counted(counts: Counter[str]) -> str:
     return ", ".join(f"{c} {n}" for c, n in counts.most_common()) or "—"
 
@@ -181,7 +185,7 @@ def clause_row(label: str, per_seed: Sequence[Sequence[Outcome]], noisy_ids: set
         for o in outs
         if _budget_long(o, noisy_ids)
         for clause, _ in o.refusals
-        if clause != "-"
+        if clause in CLAUSE_LABELS
     )
     told_cell = f"{min(told):.1f}–{max(told):.1f}" if told else "—"
     return (

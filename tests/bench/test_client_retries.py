@@ -163,6 +163,7 @@ class Server:
         self.refusals = refusals
         self.status = status
         self.headers = headers if headers is not None else {"retry-after-ms": "50"}
+        self.body = '{"error": {}}'
         self.attempts: dict[str, list[tuple[float, str | None, bytes]]] = {}
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -177,7 +178,7 @@ class Server:
             )
         )
         if len(seen) <= self.refusals:
-            return web.Response(status=self.status, headers=self.headers, text='{"error": {}}')
+            return web.Response(status=self.status, headers=self.headers, text=self.body)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for text in ("a", "b"):
@@ -348,8 +349,13 @@ async def test_each_refusal_s_clause_and_wait_are_recorded() -> None:
     assert raw.refusals == [("yield_slot", 0.02)] * 3
     o = to_outcome(raw, "standard", speed=2.0)
     assert o.refusals == [("yield_slot", 0.04)] * 3
+    # a refusal without the header: its error code, else its status
     bare, _ = await _run(Server(refusals=1), [_spec("r2")], retries=2)
-    assert bare[0].status == 200 and bare[0].refusals == [("-", 0.05)]
+    assert bare[0].status == 200 and bare[0].refusals == [("503", 0.05)]
+    coded = Server(refusals=1)
+    coded.body = '{"error": {"code": "capacity"}}'
+    raws, _ = await _run(coded, [_spec("r3")], retries=2)
+    assert raws[0].refusals == [("capacity", 0.05)]
 
 
 def test_the_report_breaks_finally_refused_long_prompts_down_by_clause() -> None:
@@ -373,12 +379,13 @@ def test_the_report_breaks_finally_refused_long_prompts_down_by_clause() -> None
         out("a", "std-1", 503, ["yield_slot", "slots_full", "slots_full"]),
         out("b", "std-2", 200, ["slot_share"]),  # served after one refusal
         out("c", "noisy-1", 503, ["long_slots_full"] * 3),  # the flooder's: not counted
-        out("d", "std-1", 503, ["-"] * 3, tokens=100),  # a short prompt: not counted
+        out("d", "std-1", 503, ["capacity"] * 3, tokens=100),  # a short prompt: not counted
         out("f", "ent", 200, [], cls="reserved"),  # reserved: not on the budget
     ]
-    seed8 = [out("e", "std-2", 503, ["yield_slot"] * 3)]
+    # another refusal (no clause: its error code) is not one of the budget's
+    seed8 = [out("e", "std-2", 503, ["capacity", "yield_slot", "yield_slot"])]
     row = clause_row("1 × c", [seed7, seed8], {"noisy-1"})
     assert row == (
         "| 1 × c | 1 / 1 | 2 of 3 | slots_full 1, yield_slot 1 | 1.5–1.5 | "
-        "yield_slot 4, slots_full 2, slot_share 1 |"
+        "yield_slot 3, slots_full 2, slot_share 1 |"
     )
