@@ -30,6 +30,7 @@ import orjson
 
 from bench.stats import Outcome
 from bench.workload import PromptFactory, RequestSpec
+from gateway.admission.long_context import REFUSAL_CLAUSE_HEADER
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,9 @@ class RawResult:
     cut_at: float | None = None  # when the deadline cut it off
     attempts: int = 0  # HTTP attempts made: 1 + the client's retries (0: never sent)
     retry_cut: bool = False  # the deadline cut it off while it waited to retry a refusal
+    # each refused attempt's clause header (without one: the body's error code, else the
+    # status) and retry-after (wall s; None: none)
+    refusals: list[tuple[str, float | None]] = field(default_factory=list)
 
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:
@@ -85,6 +89,16 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
         with contextlib.suppress(ValueError):
             return float(raw)
     return None
+
+
+def _refusal_code(body: bytes) -> str:
+    """A refusal's OpenAI-style error ``code`` ("" when the body has none)."""
+    try:
+        err = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return ""
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if isinstance(code, str) else ""
 
 
 # The openai Python SDK's client-side retries, modelled on the version installed here (.venv:
@@ -285,6 +299,8 @@ class LoadGenerator:
                     res.retry_after_s = _retry_after(resp.headers)
                     body = await resp.read()
                     res.error = body[:300].decode("utf-8", "replace")
+                    clause = resp.headers.get(REFUSAL_CLAUSE_HEADER) or _refusal_code(body)
+                    res.refusals.append((clause or str(resp.status), res.retry_after_s))
                     if not retries_left:
                         return None
                     return self.retry_wait_s(resp.status, resp.headers, retries_taken)
@@ -426,4 +442,5 @@ def to_outcome(raw: RawResult, admission_class: str, speed: float) -> Outcome:
         retry_after_s=raw.retry_after_s,
         attempts=raw.attempts,
         retry_cut=raw.retry_cut,
+        refusals=[(c, None if w is None else w * speed) for c, w in raw.refusals],
     )

@@ -27,6 +27,7 @@ import dataclasses
 import math
 import shutil
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,7 @@ from bench.stats import (
 )
 from bench.workload import NOISY_PROMPT_TOKENS, build_workload
 from emulator.profiles import LLAMA_70B_TP4_H100
+from gateway.admission.long_context import LongContextClause
 
 STANDARD_CEILING = 0.85
 
@@ -134,6 +136,70 @@ def refused_counts(outs: Sequence[Outcome], tenant_id: str) -> Refused:
         ),
         long_sent=len(long),
     )
+
+
+def _budget_long(o: Outcome, noisy_ids: set[str]) -> bool:
+    """A long prompt of a tenant that does not flood and draws on the long-context budget
+    (reserved tenants do not: bench/results/nn_lane/README.md counts the standard tenants')."""
+    return (
+        o.tenant_id not in noisy_ids
+        and o.admission_class != "reserved"
+        and o.prompt_tokens >= LONG_PROMPT_TOKENS
+    )
+
+
+def _final_long_refusals(outs: Sequence[Outcome], noisy_ids: set[str]) -> list[Outcome]:
+    """Those long prompts finally refused by the long-context budget (the "(n of m long)"
+    count of ``refused_counts``)."""
+    return [
+        o
+        for o in outs
+        if _budget_long(o, noisy_ids)
+        and o.refused
+        and o.status == 503
+        and _long_context_refusal(o.error)
+    ]
+
+
+CLAUSE_LABELS = frozenset(c.label for c in LongContextClause)
+
+
+def _counted(counts: Counter[str]) -> str:
+    return ", ".join(f"{c} {n}" for c, n in counts.most_common()) or "—"
+
+
+def clause_row(label: str, per_seed: Sequence[Sequence[Outcome]], noisy_ids: set[str]) -> str:
+    """One row of the refusals-by-clause table: the long prompts of the tenants that do not
+    flood and draw on the budget (``_budget_long``) finally refused per seed and pooled,
+    the clause of their last refusal (the gateway's ``x-fairway-refusal-clause``,
+    ``gateway.admission.long_context.LongContextClause``), the wait that refusal told, and
+    every long-context refusal of those tenants' long prompts (served in the end or not)
+    by clause."""
+    finals = [_final_long_refusals(outs, noisy_ids) for outs in per_seed]
+    long_sent = sum(_budget_long(o, noisy_ids) for outs in per_seed for o in outs)
+    last = Counter(o.refusals[-1][0] if o.refusals else "unrecorded" for f in finals for o in f)
+    told = [o.refusals[-1][1] for f in finals for o in f if o.refusals and o.refusals[-1][1]]
+    every: Counter[str] = Counter(
+        clause
+        for outs in per_seed
+        for o in outs
+        if _budget_long(o, noisy_ids)
+        for clause, _ in o.refusals
+        if clause in CLAUSE_LABELS
+    )
+    told_cell = f"{min(told):.1f}–{max(told):.1f}" if told else "—"
+    return (
+        f"| {label} | {' / '.join(str(len(f)) for f in finals)} | "
+        f"{sum(len(f) for f in finals)} of {long_sent} | {_counted(last)} | {told_cell} | "
+        f"{_counted(every)} |"
+    )
+
+
+CLAUSE_HEADERS = (
+    "| arm | finally refused, per seed | pooled | clause of the last refusal | "
+    "last wait told (s) | every long-context refusal of these prompts, by clause |",
+    "| --- | --- | --- | --- | --- | --- |",
+)
 
 
 REFUSED_HEADERS = (
@@ -403,9 +469,21 @@ def _pooled_section(
         "| --- | --- | --- | --- | --- |",
     ]
     detail: list[str] = []
+    clauses = [
+        "",
+        f"Long prompts (≥ {LONG_PROMPT_TOKENS:,} tokens) of the tenants that do not flood "
+        "(reserved ones aside: they do not draw on the budget), finally refused by the "
+        "long-context budget, by the clause that refused them (the 503's "
+        "`x-fairway-refusal-clause`; the wait told in model seconds):",
+        "",
+        *CLAUSE_HEADERS,
+    ]
+    quiet_rows: dict[int, str] = {}
     for (n, arm), runs in sorted(pooled.items()):
         lines, worst_ttft, worst_tpot = pooled_lines(runs, noisy_ids)
         md.append(f"| {n} | {arm} | {len(runs)} | {worst_ttft:.2f}x | {worst_tpot:.2f}x |")
+        clauses.append(clause_row(f"{n} × {arm}", [r.outcomes for r, _ in runs], noisy_ids))
+        quiet_rows.setdefault(n, clause_row("quiet", [q.outcomes for _, q in runs], noisy_ids))
         detail += [
             f"### Pooled: {n} flooding tenant(s), {ARM_TITLES[arm]}",
             "",
@@ -417,7 +495,8 @@ def _pooled_section(
             REFUSED_NOTE,
             "",
         ]
-    return [*md, "", *detail]
+    clauses += list(quiet_rows.values())
+    return [*md, *clauses, "", *detail]
 
 
 def _write(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -46,6 +46,11 @@ class Outcome:
     retry_after_s: float | None = None
     attempts: int = 1  # HTTP attempts: 1 + the client's retries (bench/loadgen.py)
     retry_cut: bool = False  # cut off at the deadline while waiting to retry a refusal
+    # Each refused attempt's (429/503) clause and wait told, in order: the gateway's
+    # ``x-fairway-refusal-clause`` header (a long-context 503's budget clause; a response
+    # without one: its error code, else its status) and its retry-after in model seconds
+    # (None when it had none).
+    refusals: list[tuple[str, float | None]] = field(default_factory=list)
 
     @property
     def completed(self) -> bool:

@@ -225,6 +225,15 @@ class AdmissionMetrics:
             ["admission_class", "outcome"],
             registry=r,
         )
+        self.long_context_refusals = Counter(
+            "fairway_admission_long_context_refusals",
+            "Long-context asks refused (503 long_context_capacity) by model version and the "
+            "budget's clause that refused them (long_context.LongContextClause: kv_full, "
+            "slots_full, long_slots_full, yield_slot, yield_kv, slot_share, long_slot_share, "
+            "kv_share).",
+            ["model", "clause"],
+            registry=r,
+        )
         self.redis_up_gauge = Gauge(
             "fairway_admission_limits_store_up",
             "1 while the limits store (Redis) answers; 0: rates fail open, KV fails closed.",

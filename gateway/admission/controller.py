@@ -69,6 +69,7 @@ from gateway.admission.estimates import (
     tpot_estimate,
 )
 from gateway.admission.long_context import (
+    REFUSAL_CLAUSE_HEADER,
     long_context_budget,
     long_context_lane_slots,
     long_context_tier,
@@ -544,13 +545,27 @@ class AdmissionController:
         if d.long_context_full:
             self.metrics.decisions.labels(plan_class, "long_context_budget").inc()
             wait_ms = long_context_retry_after_ms(d.frees_in_ms, self._rng)
+            clause = d.long_context_clause.label if d.long_context_clause else "unknown"
+            self.metrics.long_context_refusals.labels(req.version.version, clause).inc()
+            log.debug(
+                "long-context refusal tenant=%s model=%s prompt=%d clause=%s wait_ms=%d",
+                req.tenant.tenant_id,
+                req.version.version,
+                req.prompt_tokens_est,
+                clause,
+                d.frees_in_ms,
+            )
             return Unavailable(
                 f"The fleet's long-context capacity for {req.version.version} is in use: "
                 f"a prompt of {req.prompt_tokens_est} tokens needs a long-context slot, and "
                 "they are shared fairly among the tenants asking for them. This is our "
                 "capacity, not your quota; retry after the delay.",
                 code="long_context_capacity",
-                headers={**headers, **retry_headers(wait_ms)},
+                headers={
+                    **headers,
+                    **retry_headers(wait_ms),
+                    REFUSAL_CLAUSE_HEADER: clause,
+                },
             )
         if d.retry_storm and d.retry_scope == "tenant":
             # 503 like the fleet's: retries follow failures, mostly ours (a replica's 503).

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
 
 from contracts.schema import ModelVersionRecord as ModelVersionLike
 from gateway.admission.classes import occupancy_ceiling
@@ -144,7 +146,40 @@ def fair_level(budget: int, usage: Mapping[str, int], waiting: Iterable[str], te
     return left / open_
 
 
-def long_context_admits(
+class LongContextClause(IntEnum):
+    """Which clause of the long-context budget refused an ask (``long_context_refusal``; the
+    admit script returns the same numbers, ``LEDGER_LUA``'s ``LC_*`` locals are made from
+    these). Stable: the refusal metric's ``clause`` label, the 503's
+    ``x-fairway-refusal-clause`` header and the benchmark traces use the lower-case names.
+    When several hold, the first in this order is reported."""
+
+    KV_FULL = 1  # the budget's KV would overflow
+    SLOTS_FULL = 2  # every prefill slot, the lane's included, is running a prefill
+    LONG_SLOTS_FULL = 3  # a very long ask, every very long slot busy (the lane may be free)
+    YIELD_SLOT = 4  # leaves a prefill slot to the waiters ahead (turn order)
+    YIELD_KV = 5  # leaves the budget's KV to the waiters ahead (turn order)
+    SLOT_SHARE = 6  # past its max-min share of the prefill slots
+    LONG_SLOT_SHARE = 7  # a very long ask past its share of the very long slots
+    KV_SHARE = 8  # past its max-min share of the budget's KV
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+# The long-context 503's header naming the clause that refused it (a ``LongContextClause``
+# label; "unknown" if the store gave none), beside the stable error code
+# ``long_context_capacity``.
+REFUSAL_CLAUSE_HEADER = "x-fairway-refusal-clause"
+
+
+def long_context_admits(**ledger: Any) -> bool:
+    """Whether the long-context budget admits the ask: ``long_context_refusal`` (same
+    arguments) finds no clause refusing it."""
+    return long_context_refusal(**ledger) is None
+
+
+def long_context_refusal(
     *,
     tenant: str,
     need: int,
@@ -162,16 +197,18 @@ def long_context_admits(
     long_prefilling: int | None = None,
     long_prefills: Mapping[str, int] | None = None,
     short_waiters: Iterable[str] = (),
-) -> bool:
-    """The long-context budget's decision: the fleet total and the concurrent long
-    prefills (``prefilling``; ``prefills``: how many of them each tenant runs) stay within
-    the budget (an empty budget runs any one request, alone), and a tenant already holding
-    some may not go past its max-min fair share of the KV, nor one already running long
-    prefills past its max-min fair share of the prefill slots (``fair_level`` of each, over
-    the same waiting tenants; ``slot_share_reached``). When the room left would not cover
-    the tenants waiting ahead of this one, it goes to them, least recently served first
-    (``yields_to_waiting``; ``first_token_at``: when this ask's first token is expected,
-    ``due``: when each waiting tenant is due back, as the ledger records them).
+) -> LongContextClause | None:
+    """The clause of the long-context budget that refuses an ask (None: admitted; the admit
+    script returns the same, ``LongContextClause``). The budget's decision: the fleet total
+    and the concurrent long prefills (``prefilling``; ``prefills``: how many of them each
+    tenant runs) stay within the budget (an empty budget runs any one request, alone), and a
+    tenant already holding some may not go past its max-min fair share of the KV, nor one
+    already running long prefills past its max-min fair share of the prefill slots
+    (``fair_level`` of each, over the same waiting tenants; ``slot_share_reached``). When
+    the room left would not cover the tenants waiting ahead of this one, it goes to them,
+    least recently served first (``yields_to_waiting``; ``first_token_at``: when this ask's
+    first token is expected, ``due``: when each waiting tenant is due back, as the ledger
+    records them).
 
     Two tiers (vLLM's ``--max-long-partial-prefills`` within ``--max-num-partial-prefills``):
     the budget runs ``slots + lane_slots`` long prefills in all, of which at most ``slots``
@@ -186,10 +223,16 @@ def long_context_admits(
     all_slots = slots + lane_slots
     long_running = prefilling if long_prefilling is None else long_prefilling
     long_runs = prefills if long_prefills is None else long_prefills
+    if total > 0 and total + need > budget:
+        return LongContextClause.KV_FULL
+    if total > 0 and prefilling >= all_slots:
+        return LongContextClause.SLOTS_FULL
+    if total > 0 and very_long and long_running >= slots:
+        return LongContextClause.LONG_SLOTS_FULL
     slot_free = prefilling < all_slots and (not very_long or long_running < slots)
     if total + need > budget or not slot_free:
-        return total <= 0
-    if yields_to_waiting(
+        return None  # an empty budget runs any one request, alone
+    yielded = yield_clause(
         tenant,
         waiting,
         served or {},
@@ -202,18 +245,19 @@ def long_context_admits(
         very_long=very_long,
         long_slots_left=slots - long_running - int(very_long),
         short_waiters=short_waiters,
-    ):
-        return False
+    )
+    if yielded is not None:
+        return yielded
     if slot_share_reached(tenant, all_slots, prefills or {}, waiting):
-        return False
+        return LongContextClause.SLOT_SHARE
     if very_long and slot_share_reached(
         tenant, slots, long_runs or {}, waiting - set(short_waiters)
     ):
-        return False
+        return LongContextClause.LONG_SLOT_SHARE
     mine = usage.get(tenant, 0)
-    if mine <= 0:
-        return True
-    return mine + need <= fair_level(budget, usage, waiting, tenant)
+    if mine > 0 and mine + need > fair_level(budget, usage, waiting, tenant):
+        return LongContextClause.KV_SHARE
+    return None
 
 
 def slot_share_reached(
@@ -260,6 +304,18 @@ def yields_to_waiting(
     waiting: Iterable[str],
     served: Mapping[str, float],
     usage: Mapping[str, int] | None = None,
+    **ask: Any,
+) -> bool:
+    """Whether ``tenant`` must leave the room to the tenants waiting ahead of it:
+    ``yield_clause`` (same arguments) names a clause."""
+    return yield_clause(tenant, waiting, served, usage, **ask) is not None
+
+
+def yield_clause(
+    tenant: str,
+    waiting: Iterable[str],
+    served: Mapping[str, float],
+    usage: Mapping[str, int] | None = None,
     *,
     need: int,
     slots_left: int,
@@ -269,7 +325,7 @@ def yields_to_waiting(
     very_long: bool = True,
     long_slots_left: int | None = None,
     short_waiters: Iterable[str] = (),
-) -> bool:
+) -> LongContextClause | None:
     """Whether ``tenant`` must leave the room to the tenants waiting ahead of it (W,
     ``waiting_ahead``): it yields exactly when W is not empty and admitting it would leave
     fewer free long-prefill slots than the waiters ahead it would displace (``slots_left``:
@@ -327,7 +383,11 @@ def yields_to_waiting(
         len(early - short), len(short), very_long=very_long, slots_left=slots_left,
         long_slots_left=long_left,
     )  # fmt: skip
-    return bool(ahead) and (slot or kv_left < len(ahead) * need)
+    if not ahead:
+        return None
+    if slot:
+        return LongContextClause.YIELD_SLOT
+    return LongContextClause.YIELD_KV if kv_left < len(ahead) * need else None
 
 
 def takes_a_waiters_slot(

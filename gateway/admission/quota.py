@@ -116,6 +116,7 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.admission.config import AdmissionConfig, Layer
+from gateway.admission.long_context import LongContextClause
 from gateway.admission.ratelimit import LocalBucket, RateLimitState, bucket_reset_ms
 from gateway.admission.retry import CAPPED_SPREAD_MS, WindowCounts, retry_shed
 from gateway.admission.scriptchannel import Arg, ClusterScriptChannel, LuaScript, ScriptChannel
@@ -167,6 +168,8 @@ LEDGER_LUA = (
     f"""
 local RETRY_AFTER_CAP_MS, CAPPED_SPREAD_MS = {RETRY_AFTER_CAP_MS}, {CAPPED_SPREAD_MS}
 """
+    # a refusal's clause (long_context.py's LongContextClause: LC_KV_FULL, LC_SLOTS_FULL, ...)
+    + "".join(f"local LC_{c.name} = {c.value}\n" for c in LongContextClause)
     + """
 local function lc_drop(l, e, id)
   local n = 0
@@ -304,7 +307,8 @@ local function lc_level(held, waiting, tenant, budget)
 end
 -- KV in flight and concurrent long prefills, shared max-min fairly among the tenants that
 -- asked within the demand window. nil: admit; otherwise the wait (ms) before asking again
--- (``lc_wait``). ``prefill_ms``: the ask's expected prefill (its first token's estimate).
+-- (``lc_wait``), the ask's prefill ms and the clause that refused it (LC_*, long_context.py's
+-- long_context_refusal). ``prefill_ms``: the ask's expected prefill (its first token's estimate).
 local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total, prefill_ms,
                           lane, very_long, beside_ms)
   local all = redis.call('HGETALL', l)
@@ -347,7 +351,7 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
     if not waiting[who] then redis.call('HDEL', l, 'd:' .. who); due[who] = nil end
   end
   local mine = usage[tenant] or 0
-  local refuse, share = false, false
+  local refuse, share, clause = false, false, nil
   -- room left scarce goes to the waiting tenants served longest ago (long_context.py's
   -- yields_to_waiting): ahead = those refused within the window that hold no more than the
   -- tenant does and whose last admission is older than its own; the tenant yields when
@@ -391,17 +395,26 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
   local long_full = very_long and long_prefilling >= slots
   if total + need > budget or prefilling >= all_slots or long_full then
     refuse = total > 0  -- an empty budget runs any one request, alone
+    if total + need > budget then
+      clause = LC_KV_FULL
+    elseif prefilling >= all_slots then
+      clause = LC_SLOTS_FULL
+    else
+      clause = LC_LONG_SLOTS_FULL
+    end
   elseif yields then
-    refuse = true
+    refuse, clause = true, slot_yield and LC_YIELD_SLOT or LC_YIELD_KV
   elseif (prefills[tenant] or 0) > 0
          and prefills[tenant] + 1 > lc_level(prefills, waiting, tenant, all_slots) then
     refuse, share = true, true  -- past its max-min share of the prefill slots
                                 -- (slot_share_reached)
+    clause = LC_SLOT_SHARE
   elseif very_long and (long_prefills[tenant] or 0) > 0
          and long_prefills[tenant] + 1 > lc_level(long_prefills, long_waiting, tenant, slots) then
     refuse, share = true, true  -- past its share of the very long slots
+    clause = LC_LONG_SLOT_SHARE
   elseif mine > 0 then
-    refuse = mine + need > lc_level(usage, waiting, tenant, budget)
+    refuse, clause = mine + need > lc_level(usage, waiting, tenant, budget), LC_KV_SHARE
   end
   if not refuse then return nil, prefill_ms end
   -- a slot refusal (every slot busy, the one left goes to a tenant waiting ahead, or the
@@ -425,7 +438,7 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
   redis.call('HSET', l, 'd:' .. tenant, (now + lc_told(wait)) .. ':' .. math.floor(prefill_ms)
                                         .. (very_long and '' or ':s'))
   if redis.call('PTTL', l) < ttl then redis.call('PEXPIRE', l, ttl) end
-  return wait
+  return wait, prefill_ms, clause
 end
 local function lc_charge(l, e, w, now, rid, tenant, need, hold_ms, expected_ms, lease_ms,
                          prefill_ms, very_long)
@@ -453,7 +466,8 @@ end
 # ms, expected ms, reclaim limit, prefill hold ms (the safety expiry; absent: prefill ms),
 # lane slots (absent: 0), very long (1/0; absent: 1), prefill ms beside a very long prefill
 # (LongContextAsk.prefill_beside_ms; absent: 0)
-# -> {admitted, wait ms, KV in flight after the call, reclaimed}; or 'release', lease id,
+# -> {admitted, wait ms, KV in flight after the call, reclaimed, the refusal's clause (0: none;
+# LongContextClause)}; or 'release', lease id,
 # never ran (1/0: see lc_unserve) -> released (0/1); or 'prefilled', lease id (its first
 # token arrived: lc_prefilled) -> released a slot (0/1).
 LONG_CONTEXT_LUA = (
@@ -476,14 +490,14 @@ local beside_ms = tonumber(ARGV[15] or '0')
 local reclaimed = lc_reclaim(KEYS[1], KEYS[2], now, limit)
 local total = tonumber(redis.call('HGET', KEYS[1], '#') or '0')
 if need > 0 then
-  local wait, eff_ms = lc_refusal(KEYS[1], KEYS[3], now, tenant, need, budget, slots, window,
-                                  total, prefill_ms, lane, very_long, beside_ms)
-  if wait then return {0, math.ceil(wait), total, reclaimed} end
+  local wait, eff_ms, clause = lc_refusal(KEYS[1], KEYS[3], now, tenant, need, budget, slots,
+                                          window, total, prefill_ms, lane, very_long, beside_ms)
+  if wait then return {0, math.ceil(wait), total, reclaimed, clause} end
   lc_charge(KEYS[1], KEYS[2], KEYS[3], now, rid, tenant, need, hold_ms, expected_ms, lease_ms,
             eff_ms, very_long)
   total = total + need
 end
-return {1, 0, total, reclaimed}
+return {1, 0, total, reclaimed, 0}
 """
 )
 
@@ -628,9 +642,9 @@ local function key_tail(r)
   return r
 end
 
-local function deny(reason, wait)
+local function deny(reason, wait, clause)
   return key_tail({0, reason, math.ceil(wait), math.floor(rl), reset(rl, rpm), math.floor(tl),
-          reset(tl, tpm), inflight, reclaimed, adm, ret, now, lc_total})
+          reset(tl, tpm), inflight, reclaimed, adm, ret, now, lc_total, clause or 0})
 end
 
 if rpm > 0 and rl < 1 then return deny(1, (1 - rl) * 60000 / rpm) end
@@ -668,11 +682,11 @@ end
 -- 3b. the fleet's long-context budget (a request with no claim, lc_need 0, only reads the
 -- ledger's total for placement)
 if lc and lc_need > 0 then
-  local wait, eff_ms = lc_refusal(KEYS[5], KEYS[7], now, tenant, lc_need, lc_budget, lc_slots,
-                                  lc_window, lc_total, lc_prefill_ms, lc_lane, lc_very_long,
-                                  lc_beside_ms)
+  local wait, eff_ms, clause = lc_refusal(KEYS[5], KEYS[7], now, tenant, lc_need, lc_budget,
+                                          lc_slots, lc_window, lc_total, lc_prefill_ms, lc_lane,
+                                          lc_very_long, lc_beside_ms)
   lc_prefill_ms = eff_ms
-  if wait then return deny(5, wait) end
+  if wait then return deny(5, wait, clause) end
 end
 
 -- == per-key limits: the key's own checks, after the tenant's (see the module doc) ======
@@ -738,7 +752,7 @@ if kb then
 end
 -- == end of the per-key charge =============================================================
 return key_tail({1, 0, 0, math.floor(rl), reset(rl, rpm), math.floor(tl), reset(tl, tpm),
-        inflight, reclaimed, adm + 1, ret + is_retry, now, lc_total})
+        inflight, reclaimed, adm + 1, ret + is_retry, now, lc_total, 0})
 """
 )
 
@@ -1102,6 +1116,9 @@ class QuotaDecision:
     degraded: bool  # decided without Redis (docs/design.md §8)
     store_ms: int = 0  # the store's clock at the decision (0 when decided locally)
     long_context_full: bool = False  # refused by the fleet's long-context budget (503)
+    # which of the budget's clauses refused it (None when it did not; the local fallback's
+    # KV_FULL / SLOTS_FULL for its share of the budget)
+    long_context_clause: LongContextClause | None = None
     long_inflight_bytes: int = -1  # the budget's KV in flight after the decision (-1: n/a)
     retry_scope: str = ""  # which retry budget shed it: "tenant" (its own) or "fleet"
     # Per-key limits: ``key_limited`` when the key's own limit refused (``layer`` names
@@ -1372,6 +1389,7 @@ class Limiter:
             _ret,
             now_ms,
             lc_total,
+            lc_clause,
         ) = (int(x) for x in res)
         key_state, key_inflight = self._key_state(q, key_res)
         if reclaimed:
@@ -1400,6 +1418,7 @@ class Limiter:
             degraded=False,
             store_ms=now_ms,
             long_context_full=reason == LONG_CONTEXT,
+            long_context_clause=LongContextClause(lc_clause) if reason == LONG_CONTEXT else None,
             long_inflight_bytes=lc_total if q.long is not None or q.read_long else -1,
             key_limited=reason in _KEY_REASONS,
             key_state=key_state,
@@ -1425,7 +1444,7 @@ class Limiter:
             return decision
         grant = decision.grant
         try:
-            ok, wait, total = await self._claim_long(q, lease_id)
+            ok, wait, total, clause = await self._claim_long(q, lease_id)
         except BaseException:
             await self.settle(grant, actual_tokens=0, refund_request=True)
             raise
@@ -1437,6 +1456,7 @@ class Limiter:
                 grant=None,
                 frees_in_ms=wait,
                 long_context_full=True,
+                long_context_clause=clause,
                 long_inflight_bytes=total,
             )
         grant.long_tag = long_context_tag(q.version)
@@ -1444,9 +1464,12 @@ class Limiter:
         grant.long_local = lease_id in self._local_long.get(grant.long_tag, {})
         return replace(decision, long_inflight_bytes=total)
 
-    async def _claim_long(self, q: QuotaRequest, lease_id: str) -> tuple[bool, int, int]:
-        """``LONG_CONTEXT_LUA``'s claim: (admitted, wait ms, KV in flight after it). Without
-        the ledger's node it fails closed like the local fallback (this process's share)."""
+    async def _claim_long(
+        self, q: QuotaRequest, lease_id: str
+    ) -> tuple[bool, int, int, LongContextClause | None]:
+        """``LONG_CONTEXT_LUA``'s claim: (admitted, wait ms, KV in flight after it, the clause
+        that refused it). Without the ledger's node it fails closed like the local fallback
+        (this process's share)."""
         ask = q.long
         assert ask is not None
         lc = long_context_tag(q.version)
@@ -1475,15 +1498,16 @@ class Limiter:
                 self._mark(False, exc, node)
             else:
                 self._mark(True, node=node)
-                ok, wait, total, reclaimed = (int(x) for x in res)
+                ok, wait, total, reclaimed, clause = (int(x) for x in res)
                 if reclaimed:
                     self._stats.leases_reclaimed(reclaimed)
-                return bool(ok), wait, total
+                return bool(ok), wait, total, LongContextClause(clause) if not ok else None
         held = self._local_long.setdefault(lc, {})
-        if self._long_full_locally(q):
-            return False, int(self._cfg.lease_ttl_s * 1000), sum(held.values())
+        local_clause = self._long_full_locally(q)
+        if local_clause is not None:
+            return False, int(self._cfg.lease_ttl_s * 1000), sum(held.values()), local_clause
         self._hold_long_locally(q, lease_id)
-        return True, 0, sum(held.values())
+        return True, 0, sum(held.values()), None
 
     async def _read_long(self, version: str) -> int:
         """The ledger's KV in flight (-1 when its node cannot be read: placement then goes
@@ -1533,21 +1557,25 @@ class Limiter:
             return self._channel.owner_of(long_context_tag(version))
         return None
 
-    def _long_full_locally(self, q: QuotaRequest) -> bool:
+    def _long_full_locally(self, q: QuotaRequest) -> LongContextClause | None:
         """Without the ledger's store this process may hold ``local_kv_fraction`` of the
         budget and of its prefill slots (one request, one prefill at a time when that is
         less than one); a prefill holds its slot until its first token, as in the ledger.
         The tiers are not told apart here: every prefill counts against the very long
-        slots, and an ask that is not very long may also use the lane's (fails closed)."""
+        slots, and an ask that is not very long may also use the lane's (fails closed).
+        The clause that refuses the ask (KV_FULL or SLOTS_FULL: this process's share of
+        them), None when it fits."""
         assert q.long is not None
         tag = long_context_tag(q.version)
         held = self._local_long.get(tag, {})
         share = q.long.budget_bytes * self._cfg.local_kv_fraction
         if held and sum(held.values()) + q.long.kv_bytes > share:
-            return True
+            return LongContextClause.KV_FULL
         lane = 0 if q.long.very_long else q.long.lane_slots
         slots = max(1, int((q.long.prefill_slots + lane) * self._cfg.local_kv_fraction))
-        return prefilling(self._local_prefill.get(tag, {}), time.monotonic()) >= slots
+        if prefilling(self._local_prefill.get(tag, {}), time.monotonic()) >= slots:
+            return LongContextClause.SLOTS_FULL
+        return None
 
     def _hold_long_locally(self, q: QuotaRequest, lease_id: str) -> None:
         """Charge a long-context lease to this process's own ledger: its KV, and its
@@ -1599,9 +1627,10 @@ class Limiter:
         shed = scope is not None
         # The long-context budget fails closed like KV·seconds: this process may hold
         # ``local_kv_fraction`` of it (one request at a time when that is less than one).
-        long_full = False
+        long_clause = None
         if q.long is not None and kv_ok and not shed:
-            long_full = self._long_full_locally(q)
+            long_clause = self._long_full_locally(q)
+        long_full = long_clause is not None
         # Per-key limits: a key's concurrency cap fails closed like KV·seconds (its share of
         # the cap, at least one request, counted in this process); its rates fail open.
         key_full = False
@@ -1644,6 +1673,7 @@ class Limiter:
             grant=grant,
             degraded=True,
             long_context_full=long_full,
+            long_context_clause=long_clause,
             key_limited=key_full,
             key_inflight=len(self._local_keys.get((q.key_id, q.family), ())),
         )

@@ -22,6 +22,7 @@ import redis
 
 from contracts import schema
 from emulator.testing import SpawnedEmulator, spawn_emulator
+from gateway.admission.long_context import REFUSAL_CLAUSE_HEADER
 from gateway.admission.placement import long_context_order
 from gateway.admission.quota import long_context_tag
 from tests.admission.procs import (
@@ -209,8 +210,10 @@ async def test_two_heavy_tenants_split_the_budget_fairly_across_two_gateways(
         err = full.json()["error"]
         assert err["code"] == "long_context_capacity" and "not your quota" in err["message"]
         assert int(full.headers["retry-after-ms"]) >= 1000
+        assert full.headers[REFUSAL_CLAUSE_HEADER] == "kv_full"  # which clause refused it
         waits = await open_long(client, held, gb, b_t)  # B, through the other gateway
         assert waits.status_code == 503 and waits.json()["error"]["code"] == "long_context_capacity"
+        assert waits.headers[REFUSAL_CLAUSE_HEADER] == "kv_full"
         assert usage(rdb) == {a_t.tenant_id: 5 * CLAIM * KV_BYTES}
         for response in held[:3]:  # three of A's requests end
             await response.aclose()
@@ -234,12 +237,16 @@ async def test_two_heavy_tenants_split_the_budget_fairly_across_two_gateways(
         # B waits: A may not grow past its fair half, though the budget has room
         again = await open_long(client, held, ga, a_t)
         assert again.status_code == 503, again.text
+        assert again.headers[REFUSAL_CLAUSE_HEADER] == "kv_share"
         got = []
         for _ in range(3):
             r = await open_long(client, held, gb, b_t)
             got.append(r.status_code if r.status_code == 200 else r.json()["error"]["code"])
             await after_scrapes(gb)
         assert got == [200, 200, "long_context_capacity"], got
+        # B's third: A waits ahead of it (served before it, holding no more) and the KV left
+        # would not cover A's next request
+        assert r.headers[REFUSAL_CLAUSE_HEADER] == "yield_kv"
         half = 2 * CLAIM * KV_BYTES
         assert usage(rdb) == {a_t.tenant_id: half, b_t.tenant_id: half}
     await asyncio.to_thread(
@@ -250,5 +257,8 @@ async def test_two_heavy_tenants_split_the_budget_fairly_across_two_gateways(
 def test_long_context_metric_and_no_500s(gws: tuple[GatewayProc, GatewayProc]) -> None:
     text = httpx.get(gws[0].base_url + "/metrics", timeout=5).text
     assert metric(text, "fairway_admission_decisions_total", outcome="long_context_budget") >= 1
+    # the refusals by the budget's clause, per model version
+    refusals = "fairway_admission_long_context_refusals_total"
+    assert metric(text, refusals, model=VERSION, clause="kv_full") >= 1
     for gw in gws:
         assert "Traceback" not in gw.log(), gw.log()[-3000:]

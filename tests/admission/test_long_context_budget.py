@@ -748,16 +748,17 @@ async def _admits_as_the_rule(
     prefill_ms: int | None = None,
     **ledger: Any,
 ) -> QuotaDecision:
-    """Asks the script and checks it against ``long_context_admits`` on ``ledger`` with the
+    """Asks the script and checks it against ``long_context_refusal`` on ``ledger`` with the
     due-backs the script recorded and the ask's expected first token at the store's clock
-    before and after the call (when the two disagree the clock decided it: either goes)."""
+    before and after the call (when the two disagree the clock decided it: either goes):
+    the same decision, and a refusal for the same clause."""
     assert req.long is not None
     served, due = await _ledger_order(aredis)
     before = await _store_ms(aredis)
     d = await lim.admit(req)
     after = await _store_ms(aredis)
     expect = {
-        long_context.long_context_admits(
+        long_context.long_context_refusal(
             served=served,
             due=due,
             first_token_at=now + (req.long.prefill_ms if prefill_ms is None else prefill_ms),
@@ -765,7 +766,8 @@ async def _admits_as_the_rule(
         )
         for now in (before, after)
     }
-    assert d.admitted in expect
+    assert d.long_context_clause in expect
+    assert d.admitted == (d.long_context_clause is None)
     return d
 
 

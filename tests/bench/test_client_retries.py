@@ -22,8 +22,9 @@ from bench.loadgen import (
     sdk_should_retry,
     to_outcome,
 )
-from bench.stats import GroupStats, RetryCounts
+from bench.stats import GroupStats, Outcome, RetryCounts
 from bench.workload import PromptFactory, RequestSpec
+from gateway.admission.long_context import REFUSAL_CLAUSE_HEADER
 
 # -- the delay rule --------------------------------------------------------------------------
 
@@ -162,6 +163,7 @@ class Server:
         self.refusals = refusals
         self.status = status
         self.headers = headers if headers is not None else {"retry-after-ms": "50"}
+        self.body = '{"error": {}}'
         self.attempts: dict[str, list[tuple[float, str | None, bytes]]] = {}
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -176,7 +178,7 @@ class Server:
             )
         )
         if len(seen) <= self.refusals:
-            return web.Response(status=self.status, headers=self.headers, text='{"error": {}}')
+            return web.Response(status=self.status, headers=self.headers, text=self.body)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for text in ("a", "b"):
@@ -333,3 +335,57 @@ def test_report_counts_retried_and_cut_requests_apart_from_refusals() -> None:
     lines, _ = evaluate(ArmResult("c", outs, {}, 0, 1, 10), quiet, cfg, tenants(cfg))
     row = next(line for line in lines if line.startswith("| std-1 |"))
     assert row.endswith("| 5 / 1 / 1 (5 retries, 1 cut waiting) | 5 / 0 / 0 (0 retries) |")
+
+
+async def test_each_refusal_s_clause_and_wait_are_recorded() -> None:
+    """The gateway's long-context 503 names its clause (``x-fairway-refusal-clause``): the
+    load generator keeps it and the wait told for every refused attempt, in model seconds
+    in the outcome; a refusal without the header records "-"."""
+    server = Server(
+        refusals=10, headers={"retry-after-ms": "20", REFUSAL_CLAUSE_HEADER: "yield_slot"}
+    )
+    raws, _ = await _run(server, [_spec("r1")], retries=2)
+    (raw,) = raws
+    assert raw.refusals == [("yield_slot", 0.02)] * 3
+    o = to_outcome(raw, "standard", speed=2.0)
+    assert o.refusals == [("yield_slot", 0.04)] * 3
+    # a refusal without the header: its error code, else its status
+    bare, _ = await _run(Server(refusals=1), [_spec("r2")], retries=2)
+    assert bare[0].status == 200 and bare[0].refusals == [("503", 0.05)]
+    coded = Server(refusals=1)
+    coded.body = '{"error": {"code": "capacity"}}'
+    raws, _ = await _run(coded, [_spec("r3")], retries=2)
+    assert raws[0].refusals == [("capacity", 0.05)]
+
+
+def test_the_report_breaks_finally_refused_long_prompts_down_by_clause() -> None:
+    """``clause_row``: the non-noisy tenants' long prompts finally refused by the budget per
+    seed, by the clause of their last refusal, the waits that told, and every long-context
+    refusal of their long prompts (served in the end or not) by clause."""
+    from bench.nn_multi import LONG_PROMPT_TOKENS, clause_row
+
+    long = LONG_PROMPT_TOKENS
+    err = '{"error": {"code": "long_context_capacity"}}'
+
+    def out(
+        rid: str, tenant: str, status: int, clauses: list[str], tokens: int = long,
+        cls: str = "standard",
+    ) -> Outcome:  # fmt: skip
+        return Outcome(rid, tenant, cls, status, 0.0, prompt_tokens=tokens,
+                       error=err if status == 503 else None, attempts=len(clauses) + 1,
+                       refusals=[(c, 1.5) for c in clauses])  # fmt: skip
+
+    seed7 = [
+        out("a", "std-1", 503, ["yield_slot", "slots_full", "slots_full"]),
+        out("b", "std-2", 200, ["slot_share"]),  # served after one refusal
+        out("c", "noisy-1", 503, ["long_slots_full"] * 3),  # the flooder's: not counted
+        out("d", "std-1", 503, ["capacity"] * 3, tokens=100),  # a short prompt: not counted
+        out("f", "ent", 200, [], cls="reserved"),  # reserved: not on the budget
+    ]
+    # another refusal (no clause: its error code) is not one of the budget's
+    seed8 = [out("e", "std-2", 503, ["capacity", "yield_slot", "yield_slot"])]
+    row = clause_row("1 × c", [seed7, seed8], {"noisy-1"})
+    assert row == (
+        "| 1 × c | 1 / 1 | 2 of 3 | slots_full 1, yield_slot 1 | 1.5–1.5 | "
+        "yield_slot 3, slots_full 2, slot_share 1 |"
+    )

@@ -23,6 +23,7 @@ from emulator.testing import spawn_emulator
 from fairway.embedded import EmbeddedServices
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.idempotency import IdempotencyStore, Replay
+from gateway.admission.long_context import LongContextClause
 from gateway.admission.quota import (
     Limiter,
     long_context_tag,
@@ -126,6 +127,7 @@ async def test_the_long_context_budget_is_enforced_across_masters(
     late = tenants[10]
     refused = await lim.admit(replace(lc.q(late), request_id="r-late", rpm=2, tpm=1000))
     assert not refused.admitted and refused.long_context_full and refused.grant is None
+    assert refused.long_context_clause == LongContextClause.KV_FULL  # the ledger's script's
     assert refused.long_inflight_bytes == lc.BUDGET and refused.frees_in_ms >= 1000
     # nothing of the refused request stays charged to its tenant: no lease, full buckets
     tag = tenant_tag(late, "fam")
