@@ -2311,10 +2311,6 @@ def main(argv: list[str] | None = None) -> int:
             argv if argv is not None else sys.argv[1:]
         )
         load = "1-minute load average at the start " + _loadavg()
-        probes = None
-        if bounds:
-            step = bounds[2] if len(bounds) == 3 else 1
-            probes = fleet_sizing(scale, args.seed, bounds[0], bounds[1], step, args.workers)
         exps = {}
         for seed in seeds or (args.seed,):
             arms = isolation_experiments(
@@ -2328,7 +2324,12 @@ def main(argv: list[str] | None = None) -> int:
             exps.update({k + (f", seed {seed}" if seeds else ""): v for k, v in arms.items()})
         exps = {k: v for k, v in exps.items() if not any(t in k for t in args.skip_arm)}
         if not exps:
+            # checked before the sizing probes, which take minutes
             ap.error("--skip-arm left no arm to run")
+        probes = None
+        if bounds:
+            step = bounds[2] if len(bounds) == 3 else 1
+            probes = fleet_sizing(scale, args.seed, bounds[0], bounds[1], step, args.workers)
         res = run_all(exps, workers=args.workers)
         load += ", at the end " + _loadavg()
         path = write_isolation_report(res, scale, command, args.out, probes, load, args.report)

@@ -69,6 +69,21 @@ def test_pool_caps_need_a_pool() -> None:
         fleet_sim.main(["--isolation", "--quick", "--pool-caps", "2048"])
 
 
+def test_skip_arm_leaving_no_arm_fails_before_the_sizing_probes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sizing probes take minutes: an invocation whose --skip-arm leaves no arm to run
+    is refused before them, not after."""
+
+    def sized(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the sizing probes ran")
+
+    monkeypatch.setattr(fleet_sim, "fleet_sizing", sized)
+    with pytest.raises(SystemExit) as refused:
+        fleet_sim.main(["--isolation", "--quick", "--size-range", "4,8", "--skip-arm", ""])
+    assert refused.value.code == 2
+
+
 def test_lone_prefill_bands_split_the_feasible_requests_exactly() -> None:
     """The bands of the pooled table partition the promise's requests: together they are
     ``reserved_slo(feasible_only=True)``, request for request and miss for miss."""
