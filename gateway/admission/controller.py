@@ -429,6 +429,12 @@ class AdmissionController:
         )
         dispatch_bytes = max(0, req.prompt_tokens_est) * req.version.kv_bytes_per_token
         growth = self.output_growth_bytes(req) if long_context else 0
+        # its tier, as the budget's ask has it when the budget is on (once per request)
+        very_long = long_context and (
+            quota.long.very_long
+            if quota.long is not None
+            else self._router.very_long(req.version, dispatch_bytes)
+        )
         floor = False
         if early is not None and early.cls == cls:
             replica: schema.ReplicaRecord | None = early.replica
@@ -445,6 +451,7 @@ class AdmissionController:
                 long_context=long_context,
                 prefix=req.prefix,
                 growth_bytes=growth,
+                very_long=very_long,
             )
             if replica is None and cls == "best_effort" and self._cfg.enforces("capacity"):
                 replica = self._best_effort_floor(
@@ -462,7 +469,7 @@ class AdmissionController:
                 long_context=long_context,
                 prefix=req.prefix,
                 growth_bytes=growth,
-                very_long=long_context and self._router.very_long(req.version, dispatch_bytes),
+                very_long=very_long,
             )
         assert replica is not None  # refused above otherwise
         self._floor_window(req.version.version).record(time.monotonic(), flagged=floor)

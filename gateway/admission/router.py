@@ -300,12 +300,14 @@ class Router:
         long_context: bool = False,
         prefix: PrefixQuery | None = None,
         growth_bytes: int = 0,
+        very_long: bool | None = None,
     ) -> schema.ReplicaRecord | None:
         """A replica of ``version`` that may take a request of the (effective) class, or None
         when none may (the caller answers 503). ``est_kv_bytes`` (the prompt's KV) counts
         against the class ceiling here and is recorded by ``on_dispatch``: a choice is not
         yet a dispatch. ``growth_bytes``: a long context's expected output KV, reserved
-        against the ceiling too."""
+        against the ceiling too. ``very_long``: a long context's tier when the caller has
+        it already (the budget's ask); None: derived here (``very_long``)."""
         cls: EffectiveClass = admission_class  # type: ignore[assignment]
         aware = prefix is not None and self._cfg.strategy == "cache_aware"
         views = self.views(version, prefix if aware else None)
@@ -338,7 +340,8 @@ class Router:
             kv_bytes_per_token=version.kv_bytes_per_token,
             prefix=terms,
             growth_bytes=growth_bytes,
-            very_long=long_context and self.very_long(version, est_kv_bytes),
+            very_long=long_context
+            and (self.very_long(version, est_kv_bytes) if very_long is None else very_long),
         )
         self._turn += 1
         if terms is not None and prefix is not None and pick is not None:
