@@ -245,7 +245,8 @@ class Router:
             r = rank.get(s.replica_id, -1)
             hit = queued = 0
             prefills = very = 0
-            if 0 <= r < designated:
+            # read by placement only under long_prefill_placement (placement.score)
+            if 0 <= r < designated and self._cfg.long_prefill_placement:
                 prefills, very = self.long_prefills(version.version, s.replica_id)
             if prefix is not None:
                 hit = blocks[s.replica_id] * prefix.block_size
