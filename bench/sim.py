@@ -109,14 +109,17 @@ class SimLease:
     expected_end_ms: int = 0
     very_long: bool = True
 
-    def times(self) -> LeaseTimes:
-        """Its times as the gateway's ``long_context_wait_ms`` reads them."""
+    def times(self, expires: int = -1) -> LeaseTimes:
+        """Its times as the gateway's ``long_context_wait_ms`` reads them (``expires``: its
+        lease expiry, ``LongContextLedger.lease_expiry``; -1: not recorded)."""
         return LeaseTimes(
             prefill_end=store_ms(self.prefill_end),
             expected_end=self.expected_end_ms,
             admitted=self.admitted_ms,
             first_token_due=self.first_token_due_ms,
             very_long=self.very_long,
+            kv=self.kv,
+            expires=expires,
         )
 
 
@@ -313,8 +316,11 @@ class LongContextLedger:
         ``yield_wait_ms``): a slot refusal (every slot busy, or every very long one for a
         very long ask; the slot left goes to a tenant waiting ahead; or the tenant runs its
         share of them) waits for a running prefill's expected first token (a very long ask
-        refused for the very long slots: a very long prefill's), any other for KV to free;
-        a yield at least until the waiters ahead are due back and through their prefill."""
+        refused for the very long slots: a very long prefill's), any other for KV to free
+        (the budget's KV: until enough leases are expected to have ended for the ask to fit,
+        ``kv_frees_at``; a lease past its expected end by the overrun rule, never past its
+        renewed expiry, ``lease_expiry``); a yield at least until the waiters ahead are
+        due back and through their prefill."""
         usage, prefill_by = ledger.usage, ledger.prefill_by
         budget, slots, lane = ledger.budget, ledger.slots, ledger.lane
         total, prefilling = sum(usage.values()), ledger.prefilling
@@ -349,16 +355,27 @@ class LongContextLedger:
         )
         slots_bound = prefilling >= all_slots or long_full or share or (yields and slot_yield)
         wait = long_context_wait_ms(
-            (x.times() for x in self.leases.values()),
+            (x.times(self.lease_expiry(x, now_ms)) for x in self.leases.values()),
             now_ms,
             slots_bound=slots_bound,
             kv_bound=not slots_bound or total + need > budget,
             long_only=long_full,
+            kv_short=total + need - budget,
         )
         if yields:
             back = [(self.due[w].at, self.due[w].prefill_ms) for w in ahead if w in self.due]
             wait = yield_wait_ms(wait, back, now_ms)
         return wait
+
+    def lease_expiry(self, lease: SimLease, now_ms: int) -> int:
+        """A held lease's expiry at ``now_ms`` as the gateway keeps it (the expiry set the
+        admit script reads): set to its admission plus ``lease_ttl_s`` and renewed every
+        ``lease_renew_s`` while its request runs (the simulation's leases all run until
+        ``release``); -1 for a lease without an admission recorded."""
+        if lease.admitted_ms < 0:
+            return -1
+        ttl, renew = store_ms(self.adm.lease_ttl_s), store_ms(self.adm.lease_renew_s)
+        return lease.admitted_ms + ttl + (now_ms - lease.admitted_ms) // renew * renew
 
     def prefilled(self, lease: str, at: float) -> None:
         """The first token reached the gateway: the long prefill gives its slot back (its KV

@@ -465,6 +465,8 @@ class LeaseTimes:
     admitted: int = -1  # when it was admitted (-1: not recorded)
     first_token_due: int = -1  # when its first token is expected (-1: not recorded)
     very_long: bool = True  # its tier (a lease recorded without one: very long)
+    kv: int = 0  # its KV bytes (the lease's first field)
+    expires: int = -1  # its lease expiry, renewed while it runs (-1: not recorded)
 
 
 def prefill_frees_at(lease: LeaseTimes, now: int) -> int:
@@ -481,6 +483,35 @@ def prefill_frees_at(lease: LeaseTimes, now: int) -> int:
     return min(at, lease.prefill_end)
 
 
+def lease_ends_at(lease: LeaseTimes, now: int) -> int:
+    """When a lease is expected to end and give its KV back: at its expected end; once
+    past it (its decode ran longer than the estimate), ``now`` plus a quarter of its life
+    so far (``OVERRUN_DIVISOR``, the slot wait's overrun rule), never past its lease expiry
+    (it frees then if nobody renews it; a lease still within its estimate is renewed while it
+    runs, so its expiry does not bound it); without an admission recorded, at its expiry,
+    or without either at its expected end."""
+    if lease.expected_end > now:
+        return lease.expected_end
+    if lease.admitted >= 0:
+        at = now + (now - lease.admitted) // OVERRUN_DIVISOR
+        return at if lease.expires < 0 else min(at, lease.expires)
+    return lease.expires if lease.expires >= 0 else lease.expected_end
+
+
+def kv_frees_at(leases: Iterable[LeaseTimes], now: int, kv_short: int) -> int:
+    """When enough leases are expected to have ended (``lease_ends_at``) for ``kv_short``
+    more bytes to fit: the first end, in end order, by which the leases ended free at least
+    that much (``kv_short`` <= 0: the first lease's end; the KV·seconds layer's wait in the
+    same admit script counts the same way). Never enough (the leases hold less): the last
+    end, when the budget is empty and runs any one request alone. No lease: ``now`` + 1 s."""
+    got, at = 0, now + 1000
+    for end, kv in sorted((lease_ends_at(x, now), x.kv) for x in leases):
+        got, at = got + kv, end
+        if got >= kv_short:
+            break
+    return at
+
+
 def long_context_wait_ms(
     leases: Iterable[LeaseTimes],
     now: int,
@@ -488,6 +519,7 @@ def long_context_wait_ms(
     slots_bound: bool,
     kv_bound: bool,
     long_only: bool = False,
+    kv_short: int = 0,
 ) -> int:
     """How long (ms, at least 1 s) a refused long-context ask should wait before asking
     again: until a prefill slot frees (``slots_bound``: every slot was busy, the slot left
@@ -495,7 +527,10 @@ def long_context_wait_ms(
     ``slot_share_reached``) — the first of the running prefills expected to
     end (``prefill_frees_at``), not when some lease's decode ends nor the asker's own
     prefill estimate — and/or until KV frees (``kv_bound``: the budget's KV, or the fair
-    share), when the first lease is expected to end. Both: the later. Nothing to wait for
+    share), when enough leases are expected to have ended (``kv_frees_at``) for the
+    ``kv_short`` bytes the ask lacks (``total + need - budget`` for ``kv_full``; <= 0, any
+    other KV refusal: the first lease's end), each past its expected end by the overrun
+    rule (``lease_ends_at``). Both: the later. Nothing to wait for
     (no lease of that kind): 1 s. A tenant that yielded to the waiters ahead is told
     the later of this and ``yield_wait_ms``. ``long_only``: a very long ask refused for
     the very long slots waits for a very long prefill (a lane prompt ending frees no slot
@@ -509,7 +544,7 @@ def long_context_wait_ms(
         ),
         default=now + 1000,
     )
-    kv_at = min((x.expected_end for x in leases), default=now + 1000)
+    kv_at = kv_frees_at(leases, now, kv_short)
     if slots_bound and kv_bound:
         at = max(slot_at, kv_at)
     elif slots_bound:

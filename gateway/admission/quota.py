@@ -228,9 +228,12 @@ end
 -- (long_context.py's long_context_wait_ms): until a prefill slot frees (slots_bound) — the
 -- first running prefill's expected first token, or once past it a quarter of the time it
 -- has run so far again (OVERRUN_DIVISOR), never after its safety expiry; long_only: of the
--- very long prefills only — and/or until KV frees (kv_bound), when the first lease is
--- expected to end; both: the later; >= 1 s.
-local function lc_wait(all, now, slots_bound, kv_bound, long_only)
+-- very long prefills only — and/or until KV frees (kv_bound), when enough leases are
+-- expected to have ended for the kv_short bytes the ask lacks (<= 0: the first lease's
+-- end; kv_frees_at), a lease past its expected end a quarter of its life so far again,
+-- never past its lease expiry (``e``, the expiry set; lease_ends_at); both: the later;
+-- >= 1 s.
+local function lc_wait(all, now, slots_bound, kv_bound, long_only, kv_short, e)
   local leases, times, lane = {}, {}, {}
   for i = 1, #all, 2 do
     local f, v = all[i], all[i + 1]
@@ -240,14 +243,30 @@ local function lc_wait(all, now, slots_bound, kv_bound, long_only)
       if due then times[string.sub(f, 3)] = {tonumber(at), tonumber(due)} end
       if tier == ':s' then lane[string.sub(f, 3)] = true end
     elseif f ~= '#' and kind ~= 'u:' and kind ~= 's:' and kind ~= 'd:' then
-      local pe, en = string.match(v, '^%d+:(%d+):(%d+):')
-      leases[f] = {tonumber(pe), tonumber(en)}
+      local kv, pe, en = string.match(v, '^(%d+):(%d+):(%d+):')
+      leases[f] = {tonumber(pe), tonumber(en), tonumber(kv)}
     end
   end
-  local slot_at, kv_at = nil, nil
+  local expires, kv_read = {}, kv_bound or not slots_bound
+  if kv_read and e then
+    local ex = redis.call('ZRANGE', e, 0, -1, 'WITHSCORES')
+    for i = 1, #ex, 2 do expires[ex[i]] = tonumber(ex[i + 1]) end
+  end
+  local slot_at, kv_at, ends = nil, nil, {}
   for id, x in pairs(leases) do
     local pe, en = x[1], x[2]
-    if not kv_at or en < kv_at then kv_at = en end
+    if kv_read then
+      local at, t, ex = en, times[id], expires[id]
+      if en <= now then
+        if t then
+          at = now + math.floor((now - t[1]) / 4)
+          if ex then at = math.min(at, ex) end
+        elseif ex then
+          at = ex
+        end
+      end
+      table.insert(ends, {at, x[3]})
+    end
     if pe > now and not (long_only and lane[id]) then
       local at, t = pe, times[id]
       if t and t[2] > now then
@@ -258,6 +277,13 @@ local function lc_wait(all, now, slots_bound, kv_bound, long_only)
       at = math.min(at, pe)
       if not slot_at or at < slot_at then slot_at = at end
     end
+  end
+  table.sort(ends, function(a, b) return a[1] < b[1] end)
+  local got = 0
+  kv_short = kv_short or 0
+  for _, x in ipairs(ends) do
+    got, kv_at = got + x[2], x[1]
+    if got >= kv_short then break end
   end
   slot_at, kv_at = slot_at or (now + 1000), kv_at or (now + 1000)
   local at = kv_at
@@ -309,8 +335,8 @@ end
 -- asked within the demand window. nil: admit; otherwise the wait (ms) before asking again
 -- (``lc_wait``), the ask's prefill ms and the clause that refused it (LC_*, long_context.py's
 -- long_context_refusal). ``prefill_ms``: the ask's expected prefill (its first token's estimate).
-local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total, prefill_ms,
-                          lane, very_long, beside_ms)
+local function lc_refusal(l, e, w, now, tenant, need, budget, slots, window, total,
+                          prefill_ms, lane, very_long, beside_ms)
   local all = redis.call('HGETALL', l)
   local usage, served, prefilling = {}, {}, 0
   local prefills, due, running, lane_lease = {}, {}, {}, {}
@@ -422,7 +448,7 @@ local function lc_refusal(l, w, now, tenant, need, budget, slots, window, total,
   -- decode; any other for KV to free
   local slots_bound = prefilling >= all_slots or long_full or share or (yields and slot_yield)
   local wait = lc_wait(all, now, slots_bound, not slots_bound or total + need > budget,
-                       long_full)
+                       long_full, total + need - budget, e)
   -- a yield: when the room is expected for it (long_context.py's yield_wait_ms)
   if yields then wait = math.max(wait, back - now) end
   -- waiting (long_context.py's waiting_score): a tenant holding none of the budget until
@@ -490,8 +516,9 @@ local beside_ms = tonumber(ARGV[15] or '0')
 local reclaimed = lc_reclaim(KEYS[1], KEYS[2], now, limit)
 local total = tonumber(redis.call('HGET', KEYS[1], '#') or '0')
 if need > 0 then
-  local wait, eff_ms, clause = lc_refusal(KEYS[1], KEYS[3], now, tenant, need, budget, slots,
-                                          window, total, prefill_ms, lane, very_long, beside_ms)
+  local wait, eff_ms, clause = lc_refusal(KEYS[1], KEYS[2], KEYS[3], now, tenant, need, budget,
+                                          slots, window, total, prefill_ms, lane, very_long,
+                                          beside_ms)
   if wait then return {0, math.ceil(wait), total, reclaimed, clause} end
   lc_charge(KEYS[1], KEYS[2], KEYS[3], now, rid, tenant, need, hold_ms, expected_ms, lease_ms,
             eff_ms, very_long)
@@ -682,9 +709,9 @@ end
 -- 3b. the fleet's long-context budget (a request with no claim, lc_need 0, only reads the
 -- ledger's total for placement)
 if lc and lc_need > 0 then
-  local wait, eff_ms, clause = lc_refusal(KEYS[5], KEYS[7], now, tenant, lc_need, lc_budget,
-                                          lc_slots, lc_window, lc_total, lc_prefill_ms, lc_lane,
-                                          lc_very_long, lc_beside_ms)
+  local wait, eff_ms, clause = lc_refusal(KEYS[5], KEYS[6], KEYS[7], now, tenant, lc_need,
+                                          lc_budget, lc_slots, lc_window, lc_total, lc_prefill_ms,
+                                          lc_lane, lc_very_long, lc_beside_ms)
   lc_prefill_ms = eff_ms
   if wait then return deny(5, wait, clause) end
 end

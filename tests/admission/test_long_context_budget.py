@@ -1116,9 +1116,11 @@ def test_the_noisy_neighbour_benchs_128k_prefill_is_expected_in_wall_time() -> N
 T0 = 1_000_000  # a store clock reading (ms)
 
 
-def lease(pe: int, en: int, at: int = -1, due: int = -1) -> long_context.LeaseTimes:
+def lease(
+    pe: int, en: int, at: int = -1, due: int = -1, kv: int = 0, ex: int = -1
+) -> long_context.LeaseTimes:
     return long_context.LeaseTimes(
-        prefill_end=pe, expected_end=en, admitted=at, first_token_due=due
+        prefill_end=pe, expected_end=en, admitted=at, first_token_due=due, kv=kv, expires=ex
     )
 
 
@@ -1130,8 +1132,9 @@ def test_a_slot_refusal_waits_for_the_running_prefills_first_token() -> None:
     holder = lease(now + 125_000, now + 200_000, at=now - 3_000, due=now + 10_500)
     done = lease(now - 5_000, now - 2_000, at=now - 9_000, due=now - 5_000)
     assert wait([holder, done], now, slots_bound=True, kv_bound=False) == 10_500
-    # a KV refusal still waits for the first lease to end (here: already due, so 1 s)
-    assert wait([holder, done], now, slots_bound=False, kv_bound=True) == 1000
+    # a KV refusal waits for the first lease to end (here: past its expected end, admitted
+    # 9 s ago: a quarter of that again, the overrun rule)
+    assert wait([holder, done], now, slots_bound=False, kv_bound=True) == 2_250
     # both: the later of the two
     kv_later = lease(now - 1, now + 30_000)
     assert wait([holder, kv_later], now, slots_bound=True, kv_bound=True) == 30_000
@@ -1156,6 +1159,67 @@ def test_an_overrun_prefill_is_told_a_quarter_of_its_time_so_far() -> None:
     # no recorded estimate (a lease written before the record had it): its safety expiry
     legacy = lease(now + 40_000, now + 200_000)
     assert wait([legacy], now, slots_bound=True, kv_bound=False) == 40_000
+
+
+KV_TOKEN = 320 * 1024  # KV bytes per token (the 70B profile's)
+
+
+def test_a_kv_full_ask_is_told_when_enough_leases_have_ended_for_it() -> None:
+    """The budget holds 100k tokens' KV; four leases hold 96k (their expected ends in 5, 10,
+    20 and 40 s). A 32k ask lacks 28k: the first lease to end (a 10k one) is not enough, the
+    second (a 30k one) is, so it is told the second's end (10 s), not the first's (5 s); a 60k
+    ask lacks 56k and is told 20 s; a 300k one, more than all of them hold, when the last has
+    ended (the budget, empty, runs any one request alone). A share or yield refusal (the KV
+    it lacks <= 0) waits for the first lease to end, as before."""
+    wait = long_context.long_context_wait_ms
+    now, tok = T0, KV_TOKEN
+    held = [
+        lease(now, now + 20_000, at=now - 9_000, kv=30_000 * tok),
+        lease(now, now + 5_000, at=now - 9_000, kv=10_000 * tok),
+        lease(now, now + 40_000, at=now - 9_000, kv=36_000 * tok),
+        lease(now, now + 10_000, at=now - 9_000, kv=20_000 * tok),
+    ]
+    total, budget = 96_000 * tok, 100_000 * tok
+
+    def told(need_tokens: int) -> int:
+        short = total + need_tokens * tok - budget
+        return wait(held, now, slots_bound=False, kv_bound=True, kv_short=short)
+
+    assert told(32_000) == 10_000
+    assert told(60_000) == 20_000
+    assert told(300_000) == 40_000
+    assert wait(held, now, slots_bound=False, kv_bound=True) == 5_000  # kv_short 0
+    assert wait(held, now, slots_bound=False, kv_bound=True, kv_short=-5) == 5_000
+    # bound by a slot too: the later of the two
+    prefilling = replace(held[0], prefill_end=now + 60_000, first_token_due=now + 15_000)
+    both = [prefilling, *held[1:]]
+    short = total + 32_000 * tok - budget
+    assert wait(both, now, slots_bound=True, kv_bound=True, kv_short=short) == 15_000
+
+
+def test_a_lease_past_its_expected_end_gets_the_overrun_rule_not_the_floor() -> None:
+    """A 128k lease admitted 40 s ago, expected to end 2 s ago, holds the KV a 32k ask needs:
+    it is told a quarter of the lease's life so far (10 s), not the 1 s floor; asked again
+    1 s later, a quarter of 41 s, so its retries are not spent at the floor one after the
+    other. Never past the lease's expiry (renewed while it runs: without renewal it frees
+    then); with no admission recorded, at its expiry; with neither, as before (the floor)."""
+    now, tok = T0, KV_TOKEN
+    late = lease(now - 30_000, now - 2_000, at=now - 40_000, kv=128_000 * tok, ex=now + 14_000)
+    assert long_context.lease_ends_at(late, now) == now + 10_000
+
+    def wait(leases: list[long_context.LeaseTimes], at: int) -> int:
+        return long_context.long_context_wait_ms(
+            leases, at, slots_bound=False, kv_bound=True, kv_short=32_000 * tok
+        )
+
+    assert wait([late], now) == 10_000
+    assert wait([late], now + 1_000) == 10_250
+    assert wait([replace(late, expires=now + 6_000)], now) == 6_000
+    assert wait([replace(late, admitted=-1)], now) == 14_000
+    assert wait([replace(late, admitted=-1, expires=-1)], now) == 1_000
+    # a lease still within its estimate is told its expected end, past the expiry too
+    fresh = replace(late, expected_end=now + 30_000)
+    assert wait([fresh], now) == 30_000
 
 
 def test_a_tenant_holding_nothing_waits_until_its_latest_retry() -> None:
@@ -1206,22 +1270,28 @@ def test_a_yield_behind_several_128k_prefills_is_told_at_most_60_s() -> None:
 _WAIT_LUA = LEDGER_LUA + (
     "local earliest, latest = lc_told(tonumber(ARGV[4]))\n"
     "return {lc_wait(redis.call('HGETALL', KEYS[1]), tonumber(ARGV[1]), ARGV[2] == '1',"
-    " ARGV[3] == '1'), lc_told_latest(tonumber(ARGV[4])), earliest, latest}"
+    " ARGV[3] == '1', false, tonumber(ARGV[5]), KEYS[2]),"
+    " lc_told_latest(tonumber(ARGV[4])), earliest, latest}"
 )
 
 
 @st.composite
 def lease_sets(draw: st.DrawFn) -> list[long_context.LeaseTimes]:
+    """Leases admitted up to 200 s ago, each with its KV (some 1-128k tokens'), its admission
+    record or none, its expiry (renewed: within the next 15 s, or stale) or none."""
     out = []
     for _ in range(draw(st.integers(0, 5))):
         at = T0 - draw(st.integers(0, 200_000))
         recorded = draw(st.booleans())
+        expiry = draw(st.one_of(st.just(-1), st.integers(T0 - 5_000, T0 + 15_000)))
         out.append(
             lease(
                 pe=at + draw(st.integers(0, 300_000)),
                 en=at + draw(st.integers(0, 400_000)),
                 at=at if recorded else -1,
                 due=at + draw(st.integers(1, 150_000)) if recorded else -1,
+                kv=draw(st.integers(1, 128_000)) * KV_TOKEN,
+                ex=expiry,
             )
         )
     return out
@@ -1230,38 +1300,73 @@ def lease_sets(draw: st.DrawFn) -> list[long_context.LeaseTimes]:
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(lease_sets(), st.booleans(), st.booleans(), st.integers(0, 300_000))
+@given(
+    lease_sets(),
+    st.booleans(),
+    st.booleans(),
+    st.integers(0, 300_000),
+    st.integers(-200_000, 700_000).map(lambda t: t * KV_TOKEN),
+)
 async def test_script_waits_as_the_pure_rule(
     aredis: aioredis.Redis,
     leases: list[long_context.LeaseTimes],
     slots_bound: bool,
     kv_bound: bool,
     frees_in: int,
+    kv_short: int,
 ) -> None:
-    """The admit script's ``lc_wait`` on a ledger holding these leases (each with its
-    admission record, or a record without the first-token estimate as written before it)
-    says what ``long_context_wait_ms`` says, at the same clock; its ``lc_told_latest`` is
+    """The admit script's ``lc_wait`` on a ledger holding these leases (each with its KV,
+    its admission record, or a record without the first-token estimate as written before
+    it, or none, and its expiry in the expiry set or none) says what ``long_context_wait_ms``
+    says, at the same clock, for any KV the ask lacks (``kv_short``: how many leases must
+    end, each past its expected end by the overrun rule); its ``lc_told_latest`` is
     ``long_context_retry_latest_ms`` and its ``lc_told`` the earliest and latest of the
     range, capped at 60 s, as retry.py's."""
-    key = "lc-wait-test:l"
-    await aredis.delete(key)
+    key, expiries = "lc-wait-test:l", "lc-wait-test:e"
+    await aredis.delete(key, expiries)
     fields = {"#": "7", "u:a": "7", "s:a": str(T0 - 5)}
     for i, x in enumerate(leases):
-        fields[f"r{i}"] = f"1:{x.prefill_end}:{x.expected_end}:a"
+        fields[f"r{i}"] = f"{x.kv}:{x.prefill_end}:{x.expected_end}:a"
         record = f"-1:{x.admitted}:{x.first_token_due}" if x.admitted >= 0 else f"-1:{T0 - 9}"
         fields[f"p:r{i}"] = record
+        if x.expires >= 0:
+            await aredis.zadd(expiries, {f"r{i}": x.expires})
     for f, v in fields.items():
         await aredis.hset(key, f, v)
-    args = (T0, int(slots_bound), int(kv_bound), frees_in)
-    got = await aredis.eval(_WAIT_LUA, 1, key, *args)
+    args = (T0, int(slots_bound), int(kv_bound), frees_in, kv_short)
+    got = await aredis.eval(_WAIT_LUA, 2, key, expiries, *args)
     expect = long_context.long_context_wait_ms(
-        leases, T0, slots_bound=slots_bound, kv_bound=kv_bound
+        leases, T0, slots_bound=slots_bound, kv_bound=kv_bound, kv_short=kv_short
     )
     latest = long_context_retry_latest_ms(frees_in)
     earliest = long_context_retry_earliest_ms(frees_in)
     assert [int(v) for v in got] == [expect, latest, earliest, latest]
     assert latest <= RETRY_AFTER_CAP_MS
-    await aredis.delete(key)
+    await aredis.delete(key, expiries)
+
+
+def _old_kv_wait(leases: list[long_context.LeaseTimes], now: int) -> int:
+    """The KV wait as it was: the first lease's expected end, at least 1 s."""
+    return max(1000, min((x.expected_end for x in leases), default=now + 1000) - now)
+
+
+@given(lease_sets(), st.integers(-(2**40), 2**40), st.booleans())
+def test_the_kv_wait_is_never_shorter_than_before(
+    leases: list[long_context.LeaseTimes], kv_short: int, slots_bound: bool
+) -> None:
+    """Only the wait told changes, and only longer: counting the leases that must end for
+    the ask to fit, and the overrun rule, never tell a KV refusal less than the first lease's
+    expected end (the wait before them); with no KV lacking and no lease past its expected
+    end, exactly that."""
+    wait = long_context.long_context_wait_ms
+    new = wait(leases, T0, slots_bound=slots_bound, kv_bound=True, kv_short=kv_short)
+    old = max(
+        wait(leases, T0, slots_bound=slots_bound, kv_bound=False) if slots_bound else 0,
+        _old_kv_wait(leases, T0),
+    )
+    assert new >= old
+    if kv_short <= 0 and all(x.expected_end > T0 for x in leases):
+        assert new == old
 
 
 async def _store_ms(aredis: aioredis.Redis) -> int:

@@ -166,21 +166,25 @@ def test_without_the_lane_the_ledger_is_the_one_tier_ledger() -> None:
 # -- the ledger against the admit script ------------------------------------------------------
 
 _REFUSAL_LUA = LEDGER_LUA + (
-    "local w, pf = lc_refusal(KEYS[1], KEYS[2], tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]),"
-    " tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]),"
-    " tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10] ~= '0', tonumber(ARGV[11]))\n"
-    "if w then return {0, math.ceil(w)} end\n"
-    "return {1, pf}"
+    "local w, pf, c = lc_refusal(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[1]), ARGV[2],"
+    " tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]),"
+    " tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10] ~= '0',"
+    " tonumber(ARGV[11]))\n"
+    "if w then return {0, math.ceil(w), c} end\n"
+    "return {1, pf, 0}"
 )
-_L, _W = "lane-sim-parity:l", "lane-sim-parity:w"
+_L, _E, _W = "lane-sim-parity:l", "lane-sim-parity:e", "lane-sim-parity:w"
 
 
-def _write_ledger(rdb: redis.Redis, ledger: LongContextLedger, prev: dict[str, int]) -> None:
-    """The simulated ledger as the script's keys hold it: each lease and its admission
-    record (with its tier), each tenant's KV and last admission, the due-backs (with their
-    tier) and the waiting tenants (``prev``: each lease's tenant's admission before it, for
-    the admission record; the script does not read it in a decision)."""
-    rdb.delete(_L, _W)
+def _write_ledger(
+    rdb: redis.Redis, ledger: LongContextLedger, prev: dict[str, int], now: float
+) -> None:
+    """The simulated ledger as the script's keys hold it at ``now``: each lease, its
+    admission record (with its tier) and its expiry as renewed by then
+    (``LongContextLedger.lease_expiry``), each tenant's KV and last admission, the due-backs
+    (with their tier) and the waiting tenants (``prev``: each lease's tenant's admission
+    before it, for the admission record; the script does not read it in a decision)."""
+    rdb.delete(_L, _E, _W)
     fields: dict[str, str] = {"#": str(sum(x.kv for x in ledger.leases.values()))}
     for lease, x in ledger.leases.items():
         t = x.times()
@@ -196,6 +200,8 @@ def _write_ledger(rdb: redis.Redis, ledger: LongContextLedger, prev: dict[str, i
     pipe = rdb.pipeline()
     for f, v in fields.items():
         pipe.hset(_L, f, v)
+    for lease, x in ledger.leases.items():
+        pipe.zadd(_E, {lease: ledger.lease_expiry(x, store_ms(now))})
     for who, at in ledger.waiting.items():
         pipe.zadd(_W, {who: _score_ms(at)})
     pipe.execute()
@@ -209,9 +215,10 @@ def _score_ms(at: float) -> int:
 
 def _script_asks(
     rdb: redis.Redis, ledger: LongContextLedger, tenant: str, prompt: int, now: float
-) -> tuple[bool, int]:
+) -> tuple[bool, int, int]:
     """The script's ``lc_refusal`` on the simulated ledger's state at ``now``: (admitted,
-    the expected first token it records if admitted, else the wait it tells)."""
+    the expected first token it records if admitted, else the wait it tells, the clause
+    that refused it or 0)."""
     budget, slots = long_context_budget(ledger.version, ledger.shared_replicas, "standard",
                                         ledger.adm)  # fmt: skip
     tier = ledger.tier(prompt)
@@ -220,20 +227,22 @@ def _script_asks(
     args: list[str | int] = [store_ms(now), tenant, (prompt + OUT) * KV, budget, slots, window,
                              total, tier.prefill_ms, ledger.lane_slots, int(tier.very_long),
                              tier.beside_ms]  # fmt: skip
-    admitted, ms = rdb.eval(_REFUSAL_LUA, 2, _L, _W, *args)
-    return bool(admitted), int(ms)
+    admitted, ms, clause = rdb.eval(_REFUSAL_LUA, 3, _L, _E, _W, *args)
+    return bool(admitted), int(ms), int(clause)
 
 
 @st.composite
-def _ops(draw: st.DrawFn) -> list[tuple[str, int, str]]:
-    """Asks at 0.25 s steps: (tenant, prompt, what happens after it: nothing, the oldest
-    prefilling lease's first token, or the oldest lease's release)."""
+def _ops(draw: st.DrawFn) -> list[tuple[str, int, str, float]]:
+    """Asks: (tenant, prompt, what happens after it: nothing, the oldest prefilling lease's
+    first token, or the oldest lease's release, halfway to the next ask; the time to it,
+    ``_STEPS``)."""
     return draw(
         st.lists(
             st.tuples(
                 st.sampled_from("abcd"),
                 st.sampled_from((LONG, 60_000, SHORT, 13_000)),
                 st.sampled_from(("", "", "first", "release")),
+                st.sampled_from(_STEPS),
             ),
             min_size=1,
             max_size=20,
@@ -241,50 +250,88 @@ def _ops(draw: st.DrawFn) -> list[tuple[str, int, str]]:
     )
 
 
+# the time from one ask to the next (s): mostly short, sometimes past the leases' expected
+# ends (5 s of decode here) and far past them (the overrun guess capped by the expiry)
+_STEPS = (0.5, 0.5, 0.5, 6.0, 40.0)
+
+
+def _shift_lease_ends(rdb: redis.Redis, ledger: LongContextLedger, by: int) -> None:
+    """Moves every lease's expected end and expiry in the script's keys by ``by`` ms (at
+    least the store's 0), the times only the wait reads."""
+    for lease, x in ledger.leases.items():
+        en = max(0, x.expected_end_ms + by)
+        rdb.hset(_L, lease, f"{x.kv}:{store_ms(x.prefill_end)}:{en}:{x.tenant}")
+        rdb.zadd(_E, {lease: max(0, (rdb.zscore(_E, lease) or 0) - by)})
+
+
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(_ops(), st.sampled_from((0, 1, 2)), st.sampled_from((4, 8)))
+@given(_ops(), st.sampled_from((0, 1, 2)), st.sampled_from((4, 8)), st.integers(-60_000, 60_000))
 # b, refused for a shorter prompt with both slots busy, is waiting ahead of a when a's first
 # token frees the lane: a's 128k ask (the very long slot busy) leaves that last slot to b
 # (``seatable``) and is told to wait until b is back and through its prefill
-@example([("a", SHORT, ""), ("a", 60_000, ""), ("b", SHORT, "first"), ("a", LONG, "")], 1, 4)
+@example(
+    [("a", SHORT, "", 0.5), ("a", 60_000, "", 0.5), ("b", SHORT, "first", 0.5),
+     ("a", LONG, "", 0.5)], 1, 4, 0,
+)  # fmt: skip
+# the KV full (three 128k leases and a 20k one, all decoding): c's 128k ask is told when
+# the first 128k one is expected to end (3 s); 6 s on, every lease past its expected end, when
+# the first is expected to by the overrun rule (a quarter of its life so far: 1.6 s, not the
+# 1 s floor); 100 s on, that guess (~27 s) capped by the lease's renewed expiry (12 s)
+@example(
+    [("a", LONG, "first", 0.5), ("b", LONG, "first", 0.5), ("d", SHORT, "first", 0.5),
+     ("a", LONG, "first", 0.5), ("c", LONG, "", 6.0), ("c", LONG, "", 100.0),
+     ("c", LONG, "", 0.5)], 1, 4, 30_000,
+)  # fmt: skip
 def test_the_ledger_decides_and_answers_as_the_admit_script(
-    rdb: redis.Redis, ops: list[tuple[str, int, str]], lane: int, replicas: int
+    rdb: redis.Redis,
+    ops: list[tuple[str, int, str, float]],
+    lane: int,
+    replicas: int,
+    shift: int,
 ) -> None:
     """Any sequence of very long and shorter asks, first tokens and releases, with no lane,
-    one or two per designated replica: at each ask the admit script's ``lc_refusal``, run on
-    the simulated ledger's state at the same clock, admits exactly when the ledger does,
-    records the same expected first token (a shorter one beside a very long prefill: its lane
-    estimate) or tells the same wait; and the ledger records the due-back and the waiting
-    entry the script writes."""
+    one or two per designated replica, some seconds apart or far past the leases' expected
+    ends: at each ask the admit script's ``lc_refusal``, run on the simulated ledger's state
+    at the same clock (the leases' renewed expiries included), admits exactly when the
+    ledger does, records the same expected first token (a shorter one beside a very long
+    prefill: its lane estimate) or tells the same wait (for KV: when enough leases are
+    expected to have ended, each past its expected end by the overrun rule); and the ledger
+    records the due-back and the waiting entry the script writes. The script's decision and
+    clause are the same with every lease's expected end and expiry moved by ``shift``: the
+    times the KV wait reads decide nothing."""
     ledger = _ledger(lane=lane, replicas=replicas, window_s=600.0)
     prev: dict[str, int] = {}
     now = 1.0
-    for i, (tenant, prompt, after) in enumerate(ops):
-        _write_ledger(rdb, ledger, prev)
+    for i, (tenant, prompt, after, step) in enumerate(ops):
+        _write_ledger(rdb, ledger, prev, now)
+        _shift_lease_ends(rdb, ledger, shift)
+        shifted = _script_asks(rdb, ledger, tenant, prompt, now)
+        _write_ledger(rdb, ledger, prev, now)
         script = _script_asks(rdb, ledger, tenant, prompt, now)
+        assert (shifted[0], shifted[2]) == (script[0], script[2])
         before = store_ms(ledger.served[tenant]) if tenant in ledger.served else -1
         lease = f"l{i}"
         wait = _ask(ledger, tenant, lease, prompt, now)
         if wait is None:
             prev[lease] = before
             x = ledger.leases[lease]
-            assert script == (True, x.first_token_due_ms - x.admitted_ms)
+            assert script == (True, x.first_token_due_ms - x.admitted_ms, 0)
         else:
-            assert script == (False, wait)
+            assert script[:2] == (False, wait)
             told = rdb.hget(_L, f"d:{tenant}")
             d = ledger.due[tenant]
             assert told == f"{d.at}:{d.prefill_ms}{':s' if d.short else ''}".encode()
             assert rdb.zscore(_W, tenant) == _score_ms(ledger.waiting[tenant])
-        now += 0.25
+        now += step / 2
         prefilling = [k for k, x in ledger.leases.items() if x.prefill_end > now]
         if after == "first" and prefilling:
             ledger.prefilled(prefilling[0], now)
         elif after == "release" and ledger.leases:
             ledger.release(next(iter(ledger.leases)))
-        now += 0.25
-    rdb.delete(_L, _W)
+        now += step / 2
+    rdb.delete(_L, _E, _W)
 
 
 # -- the simulation ---------------------------------------------------------------------------

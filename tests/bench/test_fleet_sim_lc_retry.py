@@ -82,7 +82,7 @@ def test_a_full_slot_is_told_the_running_prefills_first_token_as_the_gateway_tel
     hold_ms = math.ceil(ledger.adm.long_prefill_hold_factor * bound * 1000)
     end = 1_000 + expected_duration_ms(OUT, 0.05)  # its decode at the TPOT target
     a = LeaseTimes(prefill_end=1_000 + hold_ms, expected_end=end, admitted=1_000,
-                   first_token_due=20_000)  # fmt: skip
+                   first_token_due=20_000, kv=(100_000 + OUT) * KV)  # fmt: skip
     assert ledger.leases["l1"].times() == a
     expect = long_context_wait_ms([a], 2_000, slots_bound=True, kv_bound=False)
     assert wait == expect == 18_000  # until a's first token is due, not ~1 s nor the expiry
