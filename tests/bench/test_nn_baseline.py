@@ -85,6 +85,15 @@ def test_pooled_baseline_is_the_ratio_against_both_quiet_runs_samples_together()
     note = next(line for line in lines if line.startswith("Baseline of the ratios"))
     assert "quiet + quiet2 pooled" in note
     assert "free 9+8 / 9+8, std-1 40+40 / 40+40" in note
+    # the same cells and checks as against one quiet arm holding both runs' requests
+    both = ArmResult("quiet", quiet.outcomes + quiet2.outcomes, {}, 0.0, 1.0, 10.0)
+    cat_lines, cat_verdicts = evaluate(c, both, CFG, SPECS)
+    _, verdicts = evaluate(c, Baseline(quiet, (quiet2,)), CFG, SPECS)
+    assert {k: verdicts[k] for k in cat_verdicts} == cat_verdicts
+    for tid in ("std-1", "free"):
+        pooled_cells = _row(lines, tid).split(" | ")
+        cat_cells = _row(cat_lines, tid).split(" | ")
+        assert pooled_cells[1] == cat_cells[1] and pooled_cells[3] == cat_cells[2]
 
 
 def test_pooled_table_ratio_equals_the_one_against_the_concatenated_quiet_samples() -> None:
