@@ -167,7 +167,9 @@ class AdmissionConfig:
     # its slot a few seconds, beside a 128k prefill a few times that, still a fraction of the
     # 128k one's ~20 targets, so an ask refused for a busy lane is told a wait its client's
     # retries can span, which a very long prefill outlasts (docs/design.md §7 "Long
-    # contexts"). 0 lane slots: one tier, as before.
+    # contexts"). 0 lane slots: one tier, as before. 2 was measured and not adopted: no
+    # more prefill beside a 128k prompt (two lane prompts share the rest of each step), no
+    # fewer refusals beyond the spread, later first tokens (bench/results/nn_lane2/README.md).
     short_long_prefill_slots_per_replica: int = 1
     very_long_prefill_ttft_factor: float = 4.0
     # With context placement, on: a long context goes to a designated replica with a
