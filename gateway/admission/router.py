@@ -48,7 +48,7 @@ from gateway.admission.placement import (
     PlacementRequest,
     long_context_order,
     long_context_replicas,
-    replicas_hosting,
+    long_floors,
 )
 from gateway.admission.placement import choose as place
 from gateway.admission.prefix import PrefixIndex, PrefixQuery
@@ -126,8 +126,9 @@ class Router:
         # placed, from dispatch to finish (they shape placement for as long as they run, and
         # their expected decode KV stays reserved on the replica's load until then)
         self._long: dict[str, dict[str, int]] = {}
-        # version -> (clock, fleet long-context KV in flight): the last budget answer
-        self._fleet_long: dict[str, tuple[float, int]] = {}
+        # version -> (clock, fleet long-context KV in flight, {replica_id: the part of it
+        # recorded as placed there}): the last budget answer
+        self._fleet_long: dict[str, tuple[float, int, dict[str, int]]] = {}
         # replica_id -> {request_id: very long}: long contexts this process dispatched there
         # with no first token yet (their prefills hold the replica's prefill slots)
         self._long_prefill: dict[str, dict[str, bool]] = {}
@@ -173,10 +174,18 @@ class Router:
             total += sum(b for _, b in entries.values())
         return total
 
-    def note_fleet_long(self, version: str, inflight_bytes: int) -> None:
+    def note_fleet_long(
+        self, version: str, inflight_bytes: int, placed: dict[str, int] | None = None
+    ) -> None:
         """The fleet's long-context KV in flight, as the last budget answer reported it
-        (without the request being placed: its own KV is counted by the ceiling check)."""
-        self._fleet_long[version] = (self._clock(), max(0, inflight_bytes))
+        (without the request being placed: its own KV is counted by the ceiling check), and
+        ``placed``: of it, the KV of the leases a shared record knows the replica of, per
+        replica. The long-context floor (``placement.long_floors``) charges each designated
+        replica what is placed there and packs only the rest in order; without ``placed``
+        all of it is packed in order, as long contexts packed by KV are. The fleet
+        simulation feeds ``placed`` from its ledger (``FleetConfig.place_shared``); the
+        gateway's Redis ledger does not record where a lease was placed."""
+        self._fleet_long[version] = (self._clock(), max(0, inflight_bytes), dict(placed or {}))
 
     def note_long_prefills(self, version: str, by_replica: dict[str, tuple[int, int]]) -> None:
         """The long prefills in flight on each replica of ``version`` fleet-wide (all gateway
@@ -231,18 +240,20 @@ class Router:
                 prefix, [s.replica_id for s in states if s.healthy and s.scraped_at > 0]
             )
         # Per request: the order, ranks and designated count come from the cache.
-        _, _, rank, designated = self._layout(version.version, states)
+        _, order, rank, designated = self._layout(version.version, states)
         fleet = self._fleet_long.get(version.version)
-        fleet_bytes = 0
-        if fleet is not None and self._clock() - fleet[0] <= self._cfg.lease_ttl_s:
-            fleet_bytes = fleet[1]
-        hosting = min(designated, replicas_hosting(fleet_bytes, capacity, self._cfg))
-        per_replica = capacity * self._cfg.standard_max_occupancy
+        floors: list[float] = []
+        if fleet is not None and self._clock() - fleet[0] <= self._cfg.lease_ttl_s and fleet[1]:
+            placed = fleet[2]
+            floors = long_floors(
+                fleet[1], [placed.get(rid, 0) for rid in order[:designated]], capacity, self._cfg
+            )
         out = []
         for s in states:
             if not s.healthy or s.scraped_at <= 0:
                 continue
             r = rank.get(s.replica_id, -1)
+            floor = floors[r] if 0 <= r < len(floors) else 0.0
             hit = queued = 0
             prefills = very = 0
             # read by placement only under long_prefill_placement (placement.score)
@@ -261,12 +272,8 @@ class Router:
                     capacity,
                     long_rank=r,
                     long_designated=designated,
-                    hosts_long=bool(self._long.get(s.replica_id)) or 0 <= r < hosting,
-                    long_floor=(
-                        min(per_replica, max(0.0, fleet_bytes - r * per_replica)) / capacity
-                        if 0 <= r < designated and capacity > 0
-                        else 0.0
-                    ),
+                    hosts_long=bool(self._long.get(s.replica_id)) or floor > 0.0,
+                    long_floor=floor,
                     cache_hit_tokens=hit,
                     queued_prefill_tokens=queued,
                     long_prefills=prefills,
