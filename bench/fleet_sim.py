@@ -202,7 +202,7 @@ class FleetConfig:
     # alone. place_shared: each gateway process also sees the other processes' long
     # prefills per replica (``Router.note_long_prefills``, from the simulated ledger, the
     # arm of --place-shared) and the long-context KV leased per replica, which its
-    # long-context floor charges where it is (``Router.note_fleet_long``'s ``placed``,
+    # long-context floor charges where it is (``Router.note_placed_long``,
     # ``placement.long_floors``): what a ledger recording each lease's replica would give.
     prefill_placement: bool = False
     place_shared: bool = False
@@ -766,11 +766,9 @@ class FleetSim:
                 self._reject(r, now, wait, REFUSED_LONG_BUDGET)
                 return
         if self.adm.context_placement:
-            gw.router.note_fleet_long(
-                SIM_VERSION,
-                self.ledger.fleet_bytes(but=lease),
-                self.ledger.placed_bytes(but=lease) if cfg.place_shared else None,
-            )
+            gw.router.note_fleet_long(SIM_VERSION, self.ledger.fleet_bytes(but=lease))
+            if cfg.place_shared:
+                gw.router.note_placed_long(SIM_VERSION, self.ledger.placed_bytes(but=lease))
             if long_context and cfg.place_shared:
                 gw.router.note_long_prefills(SIM_VERSION, self._prefills_by_replica())
         growth = r.output * self.kv_bytes if long_context else 0  # reserved, as the gateway
@@ -2371,7 +2369,7 @@ def main(argv: list[str] | None = None) -> int:
         help="isolation runs: also run --place-own's policy with every gateway seeing all "
         "gateways' long prefills in flight per replica (Router.note_long_prefills from the "
         "simulated ledger) and charging each designated replica the long-context KV leased "
-        "there (Router.note_fleet_long's placed), not only its own",
+        "there (Router.note_placed_long), not only its own",
     )
     ap.add_argument(
         "--skip-arm",

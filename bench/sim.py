@@ -380,7 +380,7 @@ class LongContextLedger:
 
     def placed_bytes(self, but: str = "") -> dict[str, int]:
         """The long-context KV leased per replica, of the leases dispatched (``placed``),
-        but lease ``but``'s own (``Router.note_fleet_long``'s ``placed``)."""
+        but lease ``but``'s own (``Router.note_placed_long``)."""
         out: dict[str, int] = {}
         for lease, x in self.leases.items():
             if x.replica and lease != but:

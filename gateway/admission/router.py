@@ -126,9 +126,11 @@ class Router:
         # placed, from dispatch to finish (they shape placement for as long as they run, and
         # their expected decode KV stays reserved on the replica's load until then)
         self._long: dict[str, dict[str, int]] = {}
-        # version -> (clock, fleet long-context KV in flight, {replica_id: the part of it
-        # recorded as placed there}): the last budget answer
-        self._fleet_long: dict[str, tuple[float, int, dict[str, int]]] = {}
+        # version -> (clock, fleet long-context KV in flight): the last budget answer
+        self._fleet_long: dict[str, tuple[float, int]] = {}
+        # version -> (clock, {replica_id: long-context KV leased there}): the last note of
+        # a shared record of where the leases were placed (``note_placed_long``)
+        self._placed_long: dict[str, tuple[float, dict[str, int]]] = {}
         # replica_id -> {request_id: very long}: long contexts this process dispatched there
         # with no first token yet (their prefills hold the replica's prefill slots)
         self._long_prefill: dict[str, dict[str, bool]] = {}
@@ -174,18 +176,21 @@ class Router:
             total += sum(b for _, b in entries.values())
         return total
 
-    def note_fleet_long(
-        self, version: str, inflight_bytes: int, placed: dict[str, int] | None = None
-    ) -> None:
+    def note_fleet_long(self, version: str, inflight_bytes: int) -> None:
         """The fleet's long-context KV in flight, as the last budget answer reported it
-        (without the request being placed: its own KV is counted by the ceiling check), and
-        ``placed``: of it, the KV of the leases a shared record knows the replica of, per
-        replica. The long-context floor (``placement.long_floors``) charges each designated
-        replica what is placed there and packs only the rest in order; without ``placed``
-        all of it is packed in order, as long contexts packed by KV are. The fleet
-        simulation feeds ``placed`` from its ledger (``FleetConfig.place_shared``); the
-        gateway's Redis ledger does not record where a lease was placed."""
-        self._fleet_long[version] = (self._clock(), max(0, inflight_bytes), dict(placed or {}))
+        (without the request being placed: its own KV is counted by the ceiling check)."""
+        self._fleet_long[version] = (self._clock(), max(0, inflight_bytes))
+
+    def note_placed_long(self, version: str, kv_by_replica: dict[str, int]) -> None:
+        """Of the fleet's long-context KV in flight, the part a shared record knows the
+        replica of (every gateway process's leases dispatched there), per replica; for
+        ``lease_ttl_s`` after the note. The long-context floor (``placement.long_floors``)
+        charges each designated replica what is placed there and packs only the rest in
+        order; without a note all of it is packed in order, which is where long contexts
+        packed by KV are. The fleet simulation feeds it from its ledger
+        (``FleetConfig.place_shared``); the gateway's Redis ledger does not record where a
+        lease was placed."""
+        self._placed_long[version] = (self._clock(), dict(kv_by_replica))
 
     def note_long_prefills(self, version: str, by_replica: dict[str, tuple[int, int]]) -> None:
         """The long prefills in flight on each replica of ``version`` fleet-wide (all gateway
@@ -244,7 +249,10 @@ class Router:
         fleet = self._fleet_long.get(version.version)
         floors: list[float] = []
         if fleet is not None and self._clock() - fleet[0] <= self._cfg.lease_ttl_s and fleet[1]:
-            placed = fleet[2]
+            noted = self._placed_long.get(version.version)
+            placed: dict[str, int] = {}
+            if noted is not None and self._clock() - noted[0] <= self._cfg.lease_ttl_s:
+                placed = noted[1]
             floors = long_floors(
                 fleet[1], [placed.get(rid, 0) for rid in order[:designated]], capacity, self._cfg
             )

@@ -497,7 +497,7 @@ def test_the_router_charges_long_contexts_where_the_shared_record_placed_them() 
     assert not blind[order[2]].hosts_long
     blind_pick = router.choose(VERSION, "standard", prompt, long_context=True)
     assert blind_pick is not None and blind_pick.replica_id == order[2]
-    router.note_fleet_long(VERSION.version, 2 * full, {order[1]: full, order[2]: full})
+    router.note_placed_long(VERSION.version, {order[1]: full, order[2]: full})
     seen = {v.replica_id: v for v in router.views(VERSION)}
     assert seen[order[0]].load() == 0.0 and not seen[order[0]].hosts_long
     assert seen[order[2]].load() >= CFG.standard_max_occupancy - 1e-9 and seen[order[2]].hosts_long
