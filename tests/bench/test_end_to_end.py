@@ -48,6 +48,28 @@ def test_noisy_neighbour_several_flooders_smoke(bench_redis_url: str, tmp_path: 
     assert "## Seeds pooled" in report and "| 2 | c | 1 |" in report
 
 
+@pytest.mark.slow
+def test_several_flooders_with_a_second_quiet_arm_pool_the_baseline(
+    bench_redis_url: str, tmp_path: Path
+) -> None:
+    """bench/nn_multi.py with quiet2: it runs before the arms compared with it, whatever the
+    order given, and arm c is judged against both quiet runs pooled."""
+    from bench.nn_multi import POOLED_NOTE, run_multi
+
+    path = run_multi(NNConfig.smoke(), [1], [7], tmp_path, "test", arms=["c", "quiet2"])
+    report = path.read_text()
+    assert POOLED_NOTE in report
+    rows = [line for line in report.splitlines() if line.startswith("| 1 | 7 |")]
+    assert [row.split(" | ")[2:4] for row in rows] == [
+        ["quiet2", "quiet"],
+        ["c", "quiet + quiet2 pooled"],
+    ]
+    assert len(rows[1].split(" | ")) == len(rows[0].split(" | ")) == 12
+    assert "| 1 | c | 1 | quiet + quiet2 pooled |" in report
+    assert "Baseline of the ratios and of the marks: quiet + quiet2 pooled" in report
+    assert "Worst ratio against quiet + quiet2 pooled: TTFT " in report
+
+
 def test_fleet_sim_isolation_quick(tmp_path: Path) -> None:
     argv = ["--quick", "--isolation", "--workers", "1", "--out", str(tmp_path)]
     argv += ["--size-range", "4,16,4", "--heavy-rps", "0.5,1"]
