@@ -198,15 +198,17 @@ class FleetConfig:
     lane_slots: int = 1
     # AdmissionConfig.long_prefill_placement (the gateway's default, off): a long context to
     # a designated replica with a prefill slot of its tier free, as each gateway process
-    # knows its own long prefills in flight (the arm of --place-own); off: packing by KV
+    # knows its own long prefills in flight (the arm of --place-own: the gateway before its
+    # ledger recorded each long context's replica); off: packing by KV
     # alone. place_shared: each gateway process also sees the other processes' long
     # prefills per replica (``Router.note_long_prefills``, from the simulated ledger, the
     # arm of --place-shared) and the long-context KV leased per replica, which its
     # long-context floor charges where it is (``Router.note_placed_long``,
-    # ``placement.long_floors``): what a ledger recording each lease's replica would give.
+    # ``placement.long_floors``): what the gateway's ledger gives under
+    # long_prefill_placement, which records each long context's replica at dispatch.
     prefill_placement: bool = False
     place_shared: bool = False
-    # bench/results/fleet_sim_isolation_place.md
+    # bench/results/fleet_sim_isolation_place.md, fleet_sim_isolation_place2.md
 
     def replica_long_prefill_tokens(self, idx: int) -> int:
         """Replica ``idx``'s --long-prefill-token-threshold (the pool is replicas

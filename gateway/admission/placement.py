@@ -48,8 +48,10 @@ replicas the same way (rendezvous hashing of the replica id, ``long_context_orde
 all processes pack long contexts onto the same replicas without talking to each other.
 Long contexts may use the first ``designated`` replicas of that order (the fleet budget's
 replica count, ``long_context_replicas``); a replica "hosts" long contexts when this
-process has one in flight there or when the fleet's long-context KV in flight (the last
-long-context budget answer from Redis) needs it, in order, at the standard ceiling.
+process has one in flight there or when its long-context floor (``long_floors``) is above
+zero: the fleet's long-context KV in flight (the last long-context budget answer from
+Redis), charged where the ledger records its leases placed (``long_prefill_placement``)
+and the rest packed in order at the standard ceiling.
 
 The chooser (``choose``): candidates are the eligible replicas of the best band. A
 long-context request takes the best of all of them (they are rare and large; packing is the

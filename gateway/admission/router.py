@@ -187,18 +187,22 @@ class Router:
         ``lease_ttl_s`` after the note. The long-context floor (``placement.long_floors``)
         charges each designated replica what is placed there and packs only the rest in
         order; without a note all of it is packed in order, which is where long contexts
-        packed by KV are. The fleet simulation feeds it from its ledger
-        (``FleetConfig.place_shared``); the gateway's Redis ledger does not record where a
-        lease was placed."""
+        packed by KV are. The gateway notes it before placing a long context under
+        ``long_prefill_placement`` (its ledger records each long context's replica then:
+        ``AdmissionController._note_placements``), a short request's placement uses the last
+        note while fresh; the fleet simulation notes it on every arrival from its ledger
+        (``FleetConfig.place_shared``)."""
         self._placed_long[version] = (self._clock(), dict(kv_by_replica))
 
     def note_long_prefills(self, version: str, by_replica: dict[str, tuple[int, int]]) -> None:
         """The long prefills in flight on each replica of ``version`` fleet-wide (all gateway
         processes' long contexts dispatched there with no first token yet: count, of them
         very long), as a shared record reports them; placement takes the larger of this and
-        this process's own count, for ``lease_ttl_s`` after the note. The fleet simulation
-        feeds it from its ledger (``FleetConfig.place_shared``); the gateway's Redis ledger
-        does not record where a lease was placed, so there each process knows its own."""
+        this process's own count, for ``lease_ttl_s`` after the note. The gateway notes it
+        before placing a long context under ``long_prefill_placement``, from its ledger's
+        record of each long context's replica (``AdmissionController._note_placements``;
+        without the store each process knows its own); the fleet simulation from its ledger
+        (``FleetConfig.place_shared``)."""
         self._fleet_prefills[version] = (self._clock(), dict(by_replica))
 
     def long_prefills(self, version: str, replica_id: str) -> tuple[int, int]:
