@@ -542,6 +542,18 @@ def long_context_replicas(shared_replicas: int, cfg: AdmissionConfig) -> int:
     return max(1, min(shared_replicas, share))
 
 
+def packed_floor(
+    fleet_long_bytes: int, rank: int, capacity_bytes: int, cfg: AdmissionConfig
+) -> float:
+    """``long_floors`` of the designated replica of ``rank`` when nothing is recorded as
+    placed (the default: no ledger record), per replica: the fleet's long-context KV beyond
+    ``rank`` replicas filled to the standard ceiling, at most one replica's worth."""
+    if capacity_bytes <= 0:
+        return 0.0
+    per_replica = capacity_bytes * cfg.standard_max_occupancy
+    return min(per_replica, max(0.0, fleet_long_bytes - rank * per_replica)) / capacity_bytes
+
+
 def long_floors(
     fleet_long_bytes: int,
     placed: Sequence[int],

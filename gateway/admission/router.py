@@ -49,6 +49,7 @@ from gateway.admission.placement import (
     long_context_order,
     long_context_replicas,
     long_floors,
+    packed_floor,
 )
 from gateway.admission.placement import choose as place
 from gateway.admission.prefix import PrefixIndex, PrefixQuery
@@ -251,21 +252,30 @@ class Router:
         # Per request: the order, ranks and designated count come from the cache.
         _, order, rank, designated = self._layout(version.version, states)
         fleet = self._fleet_long.get(version.version)
-        floors: list[float] = []
-        if fleet is not None and self._clock() - fleet[0] <= self._cfg.lease_ttl_s and fleet[1]:
-            noted = self._placed_long.get(version.version)
-            placed: dict[str, int] = {}
-            if noted is not None and self._clock() - noted[0] <= self._cfg.lease_ttl_s:
-                placed = noted[1]
+        fleet_bytes = 0
+        if fleet is not None and self._clock() - fleet[0] <= self._cfg.lease_ttl_s:
+            fleet_bytes = fleet[1]
+        # per replica where the ledger records placements (long_prefill_placement), else in
+        # order per replica (the default: no list per request)
+        floors: list[float] | None = None
+        noted = self._placed_long.get(version.version)
+        if fleet_bytes and noted is not None and self._clock() - noted[0] <= self._cfg.lease_ttl_s:
+            placed = noted[1]
             floors = long_floors(
-                fleet[1], [placed.get(rid, 0) for rid in order[:designated]], capacity, self._cfg
+                fleet_bytes, [placed.get(rid, 0) for rid in order[:designated]], capacity, self._cfg
             )
         out = []
         for s in states:
             if not s.healthy or s.scraped_at <= 0:
                 continue
             r = rank.get(s.replica_id, -1)
-            floor = floors[r] if 0 <= r < len(floors) else 0.0
+            floor = 0.0
+            if 0 <= r < designated and fleet_bytes:
+                floor = (
+                    floors[r]
+                    if floors is not None
+                    else packed_floor(fleet_bytes, r, capacity, self._cfg)
+                )
             hit = queued = 0
             prefills = very = 0
             # read by placement only under long_prefill_placement (placement.score)

@@ -426,6 +426,10 @@ def test_with_nothing_placed_the_floor_packs_the_fleets_kv_in_order(fleet: int, 
     """No replica recorded for any lease (the gateway's ledger today): the floor is exactly
     the order packing the router charged before per-replica records existed."""
     assert placement.long_floors(fleet, [0] * n, CAP, CFG) == packed_in_order(fleet, n)
+    # the router's per-replica form of it, without a record (the default)
+    assert [placement.packed_floor(fleet, r, CAP, CFG) for r in range(n)] == packed_in_order(
+        fleet, n
+    )
 
 
 @settings(max_examples=300, deadline=None)
