@@ -53,9 +53,15 @@ from bench.stats import fmt_pct as _pct
 from bench.stats import percentile as _p
 from bench.workload import DESIGN_OUTPUT, DESIGN_PROMPT, poisson_arrivals
 from emulator.profiles import LLAMA_70B_TP4_H100, Profile, get_profile, threshold_prefill_rate
+from gateway.admission.classes import occupancy_ceiling
 from gateway.admission.config import LAYERS, VLLM_PRIORITY, AdmissionConfig, Strategy
 from gateway.admission.estimates import long_context_threshold
-from gateway.admission.placement import PlacementRequest, designated, fits_ceiling
+from gateway.admission.placement import (
+    PlacementRequest,
+    designated,
+    fits_ceiling,
+    request_bytes,
+)
 from gateway.admission.replicas import ReplicaState
 from gateway.admission.retry import (
     capacity_retry_after_ms,
@@ -512,6 +518,12 @@ class PlacementRefusal:
     floor_sum: float
     load_sum: float
     fleet_replicas: float
+    # the request's KV with its output growth (``placement.request_bytes``), the largest room
+    # any designated replica had left under the class ceiling (its floor included) and the
+    # sum of their rooms, in replicas' worth of occupancy
+    need: float = 0.0
+    largest_room: float = 0.0
+    room_sum: float = 0.0
 
     @property
     def cause(self) -> str:
@@ -532,6 +544,8 @@ def placement_refusal(
     des = [v for v in views if designated(v)]
     cap = des[0].capacity_bytes if des else 0
     per_replica = cap * adm.standard_max_occupancy
+    ceiling = occupancy_ceiling(req.cls, adm)
+    rooms = [max(0.0, ceiling - v.load(adm.optimistic_inflight)) for v in des]
     return PlacementRefusal(
         at=at,
         very_long=req.very_long,
@@ -541,6 +555,9 @@ def placement_refusal(
         floor_sum=sum(v.long_floor for v in des),
         load_sum=sum(replace(v, long_floor=0.0).load(adm.optimistic_inflight) for v in des),
         fleet_replicas=fleet_bytes / per_replica if per_replica else 0.0,
+        need=request_bytes(req) / cap if cap else 0.0,
+        largest_room=max(rooms, default=0.0),
+        room_sum=sum(rooms),
     )
 
 
@@ -1588,13 +1605,15 @@ def _placement_refusal_section(results: dict[str, SimResult]) -> list[str]:
         "floor, `ReplicaView.long_floor`), by the scrape and in-flight KV alone, or before the "
         "first scrape; and, at the refusals, the medians of the designated replicas that "
         "passed it without the floor, of the floors' sum and of the loads' sum without them "
-        "(replicas' worth of occupancy), and of the fleet's long-context KV in flight "
-        "(replicas filled to the standard ceiling).",
+        "(replicas' worth of occupancy), of the fleet's long-context KV in flight "
+        "(replicas filled to the standard ceiling), of the refused request's KV with its "
+        "output growth, of the largest room a designated replica had left under the class "
+        "ceiling with its floor, and of the sum of those rooms (occupancy).",
         "",
         "| run | refused | by the floor | by scrape + in-flight | before a scrape | "
         "median: fit without the floor / designated | floors' sum | loads' sum | "
-        "fleet's long KV |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "fleet's long KV | the request's KV | largest room | rooms' sum |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, res in results.items():
         refs = res.placement_refusals
@@ -1606,12 +1625,16 @@ def _placement_refusal_section(results: dict[str, SimResult]) -> list[str]:
         def med(field: str, xs: list[PlacementRefusal] = scraped) -> str:
             return f"{float(np.median([getattr(x, field) for x in xs])):.1f}" if xs else "–"
 
+        def med2(field: str, xs: list[PlacementRefusal] = scraped) -> str:
+            return f"{float(np.median([getattr(x, field) for x in xs])):.2f}" if xs else "–"
+
         rows.append(
             _md_row([
                 name, len(refs), by.get(FLOOR_REFUSAL, 0), by.get(CEILING_REFUSAL, 0),
                 by.get(UNSCRAPED_REFUSAL, 0),
                 f"{med('fit_without_floor')} / {med('designated')}", med("floor_sum"),
-                med("load_sum"), med("fleet_replicas"),
+                med("load_sum"), med("fleet_replicas"), med2("need"), med2("largest_room"),
+                med("room_sum"),
             ])
         )  # fmt: skip
     return rows

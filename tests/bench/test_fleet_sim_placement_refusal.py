@@ -37,6 +37,9 @@ def test_a_floor_over_a_replica_with_room_is_the_floors_refusal() -> None:
     assert x.cause == FLOOR_REFUSAL
     assert abs(x.floor_sum - 0.85) < 1e-9 and abs(x.load_sum - 0.80) < 1e-9
     assert abs(x.fleet_replicas - 1.0) < 1e-9
+    # the room each designated replica had left under the ceiling, with its floor
+    assert abs(x.need - 0.2) < 1e-9
+    assert abs(x.largest_room - 0.05) < 1e-9 and abs(x.room_sum - 0.05) < 1e-9
 
 
 def test_full_replicas_are_the_ceilings_refusal_and_none_scraped_its_own() -> None:
