@@ -53,8 +53,15 @@ from bench.stats import fmt_pct as _pct
 from bench.stats import percentile as _p
 from bench.workload import DESIGN_OUTPUT, DESIGN_PROMPT, poisson_arrivals
 from emulator.profiles import LLAMA_70B_TP4_H100, Profile, get_profile, threshold_prefill_rate
+from gateway.admission.classes import occupancy_ceiling
 from gateway.admission.config import LAYERS, VLLM_PRIORITY, AdmissionConfig, Strategy
 from gateway.admission.estimates import long_context_threshold
+from gateway.admission.placement import (
+    PlacementRequest,
+    designated,
+    fits_ceiling,
+    request_bytes,
+)
 from gateway.admission.replicas import ReplicaState
 from gateway.admission.retry import (
     capacity_retry_after_ms,
@@ -64,6 +71,7 @@ from gateway.admission.retry import (
     storm_retry_after_ms,
 )
 from gateway.admission.router import Router
+from gateway.admission.routing import ReplicaView
 
 RESULTS = Path(__file__).parent / "results"
 PROFILE = "llama-70b-tp4-h100"
@@ -196,13 +204,17 @@ class FleetConfig:
     lane_slots: int = 1
     # AdmissionConfig.long_prefill_placement (the gateway's default, off): a long context to
     # a designated replica with a prefill slot of its tier free, as each gateway process
-    # knows its own long prefills in flight (the arm of --place-own); off: packing by KV
+    # knows its own long prefills in flight (the arm of --place-own: the gateway before its
+    # ledger recorded each long context's replica); off: packing by KV
     # alone. place_shared: each gateway process also sees the other processes' long
     # prefills per replica (``Router.note_long_prefills``, from the simulated ledger, the
-    # arm of --place-shared): what a ledger recording each lease's replica would give.
+    # arm of --place-shared) and the long-context KV leased per replica, which its
+    # long-context floor charges where it is (``Router.note_placed_long``,
+    # ``placement.long_floors``): what the gateway's ledger gives under
+    # long_prefill_placement, which records each long context's replica at dispatch.
     prefill_placement: bool = False
     place_shared: bool = False
-    # bench/results/fleet_sim_isolation_place.md
+    # bench/results/fleet_sim_isolation_place.md, fleet_sim_isolation_place2.md
 
     def replica_long_prefill_tokens(self, idx: int) -> int:
         """Replica ``idx``'s --long-prefill-token-threshold (the pool is replicas
@@ -255,6 +267,8 @@ class SimResult:
     long_admitted_at: dict[str, list[float]] = field(default_factory=dict)  # admission times
     long_told_s: list[float] = field(default_factory=list)  # long-context 503s' retry-after
     slow_steps: list[list[SlowStep]] = field(default_factory=list)
+    # Long contexts the budget admitted that placement then refused (``placement_refusal``)
+    placement_refusals: list[PlacementRefusal] = field(default_factory=list)
 
     def measured(self) -> list[SimRequest]:
         """Requests that arrived in [warmup_s, duration_s) and resolved before the end of the
@@ -482,6 +496,71 @@ def pool_slo(parts: list[ClassSLO]) -> ClassSLO:
     )
 
 
+FLOOR_REFUSAL = "long-context floor"
+CEILING_REFUSAL = "ceiling (scrape + in-flight)"
+UNSCRAPED_REFUSAL = "no designated replica scraped yet"
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRefusal:
+    """Why placement refused a long context the budget had admitted, from the views the
+    router chose among (``placement_refusal``): its designated replicas, how many of them
+    passed the ceiling check, how many would have with no long-context floor
+    (``ReplicaView.long_floor``), the sums of their floors and of their loads without it
+    (scrape plus this gateway's in-flight KV), in replicas' worth of occupancy, and the
+    fleet's long-context KV in flight in standard-ceiling replicas."""
+
+    at: float
+    very_long: bool
+    designated: int
+    fit: int
+    fit_without_floor: int
+    floor_sum: float
+    load_sum: float
+    fleet_replicas: float
+    # the request's KV with its output growth (``placement.request_bytes``), the largest room
+    # any designated replica had left under the class ceiling (its floor included) and the
+    # sum of their rooms, in replicas' worth of occupancy
+    need: float = 0.0
+    largest_room: float = 0.0
+    room_sum: float = 0.0
+
+    @property
+    def cause(self) -> str:
+        if not self.designated:
+            return UNSCRAPED_REFUSAL
+        if self.fit_without_floor > self.fit:
+            return FLOOR_REFUSAL
+        return CEILING_REFUSAL
+
+
+def placement_refusal(
+    views: list[ReplicaView], req: PlacementRequest, adm: AdmissionConfig, fleet_bytes: int,
+    at: float,
+) -> PlacementRefusal:  # fmt: skip
+    """Which check refused an admitted long context (``PlacementRefusal``): the ceiling
+    check (``placement.fits_ceiling``) on each designated replica with its long-context
+    floor and with it taken off."""
+    des = [v for v in views if designated(v)]
+    cap = des[0].capacity_bytes if des else 0
+    per_replica = cap * adm.standard_max_occupancy
+    ceiling = occupancy_ceiling(req.cls, adm)
+    rooms = [max(0.0, ceiling - v.load(adm.optimistic_inflight)) for v in des]
+    return PlacementRefusal(
+        at=at,
+        very_long=req.very_long,
+        designated=len(des),
+        fit=sum(1 for v in des if fits_ceiling(v, req, adm)),
+        fit_without_floor=sum(1 for v in des if fits_ceiling(replace(v, long_floor=0.0), req, adm)),
+        floor_sum=sum(v.long_floor for v in des),
+        load_sum=sum(replace(v, long_floor=0.0).load(adm.optimistic_inflight) for v in des),
+        fleet_replicas=fleet_bytes / per_replica if per_replica else 0.0,
+        need=request_bytes(req) / cap if cap else 0.0,
+        largest_room=max(rooms, default=0.0),
+        room_sum=sum(rooms),
+    )
+
+
 class _Gateway:
     """One gateway process: its own ``gateway.admission.router.Router`` (P2C / emptiest / round
     robin over ``gateway.admission`` policy modules, optimistic in-flight per dispatch) fed by its
@@ -558,6 +637,7 @@ class FleetSim:
         self._tick = {"arrivals": 0, "retries": 0, "rejected": 0, "rejected_first": 0, "errors": 0}
         self.long_refused = 0
         self.long_refused_by: dict[str, int] = {}
+        self.placement_refusals: list[PlacementRefusal] = []
         # Per replica, its steps of TPOT_SLO_S or longer: (start, end, tokens, sequences).
         self.slow_steps: list[list[SlowStep]] = [[] for _ in range(cfg.replicas)]
         version = self.gws[0].version
@@ -706,6 +786,8 @@ class FleetSim:
                 return
         if self.adm.context_placement:
             gw.router.note_fleet_long(SIM_VERSION, self.ledger.fleet_bytes(but=lease))
+            if cfg.place_shared:
+                gw.router.note_placed_long(SIM_VERSION, self.ledger.placed_bytes(but=lease))
             if long_context and cfg.place_shared:
                 gw.router.note_long_prefills(SIM_VERSION, self._prefills_by_replica())
         growth = r.output * self.kv_bytes if long_context else 0  # reserved, as the gateway
@@ -717,6 +799,8 @@ class FleetSim:
             growth_bytes=growth,
         )
         if record is None:
+            if r.long_lease:
+                self._placement_refused(gw, r, lease, now)
             self._long_release(r, lease)
             if cfg.r6:
                 wait = capacity_retry_after_ms(self.adm, gw.rng) / 1000
@@ -750,6 +834,7 @@ class FleetSim:
         r.replica = idx
         if long_context:
             self._note_long_prefill(r, lease, idx)
+            self.ledger.placed(lease, record.replica_id)
         eng = rep.engine
         eng.advance_to(now)
         req = eng.add_request(
@@ -772,6 +857,19 @@ class FleetSim:
         wait = self.ledger.ask(r.tenant, lease, need, r.prompt, now, output=r.output)
         r.long_lease = wait is None
         return wait
+
+    def _placement_refused(self, gw: _Gateway, r: SimRequest, lease: str, now: float) -> None:
+        """Record why placement refused a long context the budget admitted."""
+        req = PlacementRequest(
+            r.tenant_class,  # type: ignore[arg-type]
+            r.prompt * self.kv_bytes,
+            True,
+            growth_bytes=r.output * self.kv_bytes,
+            very_long=self.ledger.tier(r.prompt).very_long,
+        )
+        views = gw.router.views(gw.version)
+        fleet = self.ledger.fleet_bytes(but=lease)
+        self.placement_refusals.append(placement_refusal(views, req, self.adm, fleet, now))
 
     def _prefills_by_replica(self) -> dict[str, tuple[int, int]]:
         """The long prefills in flight per replica, all gateways' (all, very long)."""
@@ -935,6 +1033,7 @@ class FleetSim:
             long_admitted_at=self.ledger.admitted_at,
             long_told_s=self.long_told_s,
             slow_steps=self.slow_steps,
+            placement_refusals=self.placement_refusals,
         )
 
 
@@ -1416,6 +1515,7 @@ def write_isolation_report(
     rows += _pooled_bands_section(results)
     if any(r.cfg.isolation for r in results.values()):
         rows += _contention_section(results)
+        rows += _placement_refusal_section(results)
     path = out_dir / report_name
     path.write_text("\n".join(rows) + "\n")
     return path
@@ -1489,6 +1589,54 @@ def _contention_section(results: dict[str, SimResult]) -> list[str]:
                     f"{c.ratio_p50:.1f} / {c.ratio_p90:.1f}", c.after_expiry,
                 ])
             )  # fmt: skip
+    return rows
+
+
+def _placement_refusal_section(results: dict[str, SimResult]) -> list[str]:
+    """``placement_refusal`` for every run: the long contexts the budget admitted that
+    placement refused, by the check that refused them."""
+    rows = [
+        "",
+        "## Admitted long contexts placement refused",
+        "",
+        "Long contexts the budget admitted (whole run) for which placement found no designated "
+        "replica under the ceiling (`bench.fleet_sim.placement_refusal`): refused by the "
+        "long-context floor (some designated replica passed the ceiling check without its "
+        "floor, `ReplicaView.long_floor`), by the scrape and in-flight KV alone, or before the "
+        "first scrape; and, at the refusals, the medians of the designated replicas that "
+        "passed it without the floor, of the floors' sum and of the loads' sum without them "
+        "(replicas' worth of occupancy), of the fleet's long-context KV in flight "
+        "(replicas filled to the standard ceiling), of the refused request's KV with its "
+        "output growth, of the largest room a designated replica had left under the class "
+        "ceiling with its floor, and of the sum of those rooms (occupancy).",
+        "",
+        "| run | refused | by the floor | by scrape + in-flight | before a scrape | "
+        "median: fit without the floor / designated | floors' sum | loads' sum | "
+        "fleet's long KV | the request's KV | largest room | rooms' sum |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, res in results.items():
+        refs = res.placement_refusals
+        by: dict[str, int] = {}
+        for x in refs:
+            by[x.cause] = by.get(x.cause, 0) + 1
+        scraped = [x for x in refs if x.designated]
+
+        def med(field: str, xs: list[PlacementRefusal] = scraped) -> str:
+            return f"{float(np.median([getattr(x, field) for x in xs])):.1f}" if xs else "–"
+
+        def med2(field: str, xs: list[PlacementRefusal] = scraped) -> str:
+            return f"{float(np.median([getattr(x, field) for x in xs])):.2f}" if xs else "–"
+
+        rows.append(
+            _md_row([
+                name, len(refs), by.get(FLOOR_REFUSAL, 0), by.get(CEILING_REFUSAL, 0),
+                by.get(UNSCRAPED_REFUSAL, 0),
+                f"{med('fit_without_floor')} / {med('designated')}", med("floor_sum"),
+                med("load_sum"), med("fleet_replicas"), med2("need"), med2("largest_room"),
+                med("room_sum"),
+            ])
+        )  # fmt: skip
     return rows
 
 
@@ -2245,7 +2393,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="isolation runs: also run --place-own's policy with every gateway seeing all "
         "gateways' long prefills in flight per replica (Router.note_long_prefills from the "
-        "simulated ledger), not only its own",
+        "simulated ledger) and charging each designated replica the long-context KV leased "
+        "there (Router.note_placed_long), not only its own",
     )
     ap.add_argument(
         "--skip-arm",

@@ -108,6 +108,7 @@ class SimLease:
     first_token_due_ms: int = -1
     expected_end_ms: int = 0
     very_long: bool = True
+    replica: str = ""  # where it was dispatched (``placed``); "" until then
 
     def times(self, expires: int = -1) -> LeaseTimes:
         """Its times as the gateway's ``long_context_wait_ms`` reads them (``expires``: its
@@ -386,6 +387,22 @@ class LongContextLedger:
 
     def release(self, lease: str) -> None:
         self.leases.pop(lease, None)
+
+    def placed(self, lease: str, replica: str) -> None:
+        """The lease's request was dispatched to ``replica``: what a ledger recording each
+        long-context lease's replica at dispatch would hold."""
+        held = self.leases.get(lease)
+        if held is not None:
+            held.replica = replica
+
+    def placed_bytes(self, but: str = "") -> dict[str, int]:
+        """The long-context KV leased per replica, of the leases dispatched (``placed``),
+        but lease ``but``'s own (``Router.note_placed_long``)."""
+        out: dict[str, int] = {}
+        for lease, x in self.leases.items():
+            if x.replica and lease != but:
+                out[x.replica] = out.get(x.replica, 0) + x.kv
+        return out
 
     def fleet_bytes(self, but: str = "") -> int:
         """The long-context KV leased fleet-wide, but lease ``but``'s own (what the router's

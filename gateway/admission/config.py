@@ -174,15 +174,21 @@ class AdmissionConfig:
     very_long_prefill_ttft_factor: float = 4.0
     # With context placement, on: a long context goes to a designated replica with a
     # prefill slot of its tier free (per replica, the slot counts above: the long prefills in
-    # flight there, from dispatch to first token, as this process knows them), packing by KV
-    # among those; the designated replicas without one only when none has. Off (the
+    # flight there, from dispatch to first token, every gateway process's: the ledger records
+    # each long context's replica at dispatch and the router reads them back before placing
+    # one, ``Limiter.placed`` / ``Limiter.placements``), packing by KV among those; the
+    # designated replicas without one only when none has. The long-context floor then
+    # charges each replica the leased KV placed there (``placement.long_floors``). Off (the
     # default): packing by KV alone, which stacks several long prefills on one replica, where
-    # they share each step's prefill budget and each runs at a fraction of its lone speed.
-    # Measured with four gateway processes (bench/results/fleet_sim_isolation_place.md), each
-    # process's own count left the stacking as it was and cost the others 0.3-0.4 points of
-    # attainment; a fleet-wide count ended most of it, but spread long contexts off the
-    # packing order the router's long-context floor assumes (``Router.views``), and placement
-    # refused more long contexts the budget had admitted.
+    # they share each step's prefill budget and each runs at a fraction of its lone speed;
+    # nothing is recorded or read. Measured with four gateway processes
+    # (bench/results/fleet_sim_isolation_place2.md): fleet-wide, the stacking ended and the
+    # heavy tenants' long contexts completed nearly twice as often, the others' attainment
+    # and the reserved class unchanged, but the others' TTFT p95 rose 40-60 ms and placement
+    # refused ~1,200-1,400 long contexts the budget had admitted per run (whole contexts do
+    # not fit the room the budget counts once they are spread); each process's own count
+    # alone (before the record) left the stacking as it was and cost the others 0.3-0.4
+    # points (bench/results/fleet_sim_isolation_place.md).
     long_prefill_placement: bool = False
     # The share of a replica step's token budget one prefill may take: vLLM's
     # --long-prefill-token-threshold over max_num_batched_tokens (5,242 / 8,192 in the

@@ -435,6 +435,9 @@ class AdmissionController:
             if quota.long is not None
             else self._router.very_long(req.version, dispatch_bytes)
         )
+        shared = long_context and self._cfg.long_prefill_placement and grant.long_tag is not None
+        if shared and quota.long is not None:
+            await self._note_placements(req.version.version, quota.long.kv_bytes)
         floor = False
         if early is not None and early.cls == cls:
             replica: schema.ReplicaRecord | None = early.replica
@@ -472,6 +475,9 @@ class AdmissionController:
                 very_long=very_long,
             )
         assert replica is not None  # refused above otherwise
+        if shared:
+            # where it runs, for every gateway process's placement (one write)
+            await self._limiter.placed(grant, replica.replica_id)
         self._floor_window(req.version.version).record(time.monotonic(), flagged=floor)
         ticket = Ticket(
             request_id=req.request_id,
@@ -511,6 +517,22 @@ class AdmissionController:
         if not d.admitted:
             raise self._refusal(req, d, headers)
         return headers
+
+    async def _note_placements(self, version: str, own_bytes: int) -> None:
+        """With ``long_prefill_placement``, before a long context is placed: every gateway
+        process's long contexts per replica from the ledger (``Limiter.placements``, one
+        read, long contexts only), for the router's prefill slots
+        (``Router.note_long_prefills``) and long-context floor (``Router.note_placed_long``);
+        the request's own lease, admitted but not placed yet, is taken off the total.
+        Without the ledger each process knows its own."""
+        got = await self._limiter.placements(version)
+        if got is None:
+            return
+        self._router.note_fleet_long(version, max(0, got.inflight_bytes - own_bytes))
+        self._router.note_placed_long(version, {r: x[0] for r, x in got.by_replica.items()})
+        self._router.note_long_prefills(
+            version, {r: (x[1], x[2]) for r, x in got.by_replica.items()}
+        )
 
     def _floor_window(self, version: str) -> WindowCounts:
         window = self._floors.get(version)

@@ -48,8 +48,10 @@ replicas the same way (rendezvous hashing of the replica id, ``long_context_orde
 all processes pack long contexts onto the same replicas without talking to each other.
 Long contexts may use the first ``designated`` replicas of that order (the fleet budget's
 replica count, ``long_context_replicas``); a replica "hosts" long contexts when this
-process has one in flight there or when the fleet's long-context KV in flight (the last
-long-context budget answer from Redis) needs it, in order, at the standard ceiling.
+process has one in flight there or when its long-context floor (``long_floors``) is above
+zero: the fleet's long-context KV in flight (the last long-context budget answer from
+Redis), charged where the ledger records its leases placed (``long_prefill_placement``)
+and the rest packed in order at the standard ceiling.
 
 The chooser (``choose``): candidates are the eligible replicas of the best band. A
 long-context request takes the best of all of them (they are rare and large; packing is the
@@ -540,10 +542,47 @@ def long_context_replicas(shared_replicas: int, cfg: AdmissionConfig) -> int:
     return max(1, min(shared_replicas, share))
 
 
-def replicas_hosting(fleet_long_bytes: int, capacity_bytes: int, cfg: AdmissionConfig) -> int:
-    """How many replicas, filled in order to the standard ceiling, the fleet's in-flight
-    long-context KV occupies."""
-    if fleet_long_bytes <= 0 or capacity_bytes <= 0:
-        return 0
+def packed_floor(
+    fleet_long_bytes: int, rank: int, capacity_bytes: int, cfg: AdmissionConfig
+) -> float:
+    """``long_floors`` of the designated replica of ``rank`` when nothing is recorded as
+    placed (the default: no ledger record), per replica: the fleet's long-context KV beyond
+    ``rank`` replicas filled to the standard ceiling, at most one replica's worth."""
+    if capacity_bytes <= 0:
+        return 0.0
     per_replica = capacity_bytes * cfg.standard_max_occupancy
-    return math.ceil(fleet_long_bytes / per_replica)
+    return min(per_replica, max(0.0, fleet_long_bytes - rank * per_replica)) / capacity_bytes
+
+
+def long_floors(
+    fleet_long_bytes: int,
+    placed: Sequence[int],
+    capacity_bytes: int,
+    cfg: AdmissionConfig,
+) -> list[float]:
+    """The occupancy the fleet's long-context KV in flight implies on each designated
+    replica (``ReplicaView.long_floor``), in the long-context order: the KV of the long
+    contexts recorded as placed on it (``placed``, by rank: every gateway process's leases
+    whose replica the shared record knows), and the rest of the fleet's total (leases with
+    no recorded replica: admitted and being sent, or a record that keeps none) packed in
+    order onto the room each replica has left under the standard ceiling.
+
+    With nothing placed this is the order-packing floor (replica ``r`` holds the total
+    beyond ``r`` full replicas, at most one replica's worth): right while long contexts are
+    packed by KV in that order, wrong once they spread (``long_prefill_placement`` with
+    fleet-wide prefill counts), when it charged the first replicas full while the contexts
+    ran elsewhere and placement refused long contexts the budget had admitted
+    (bench/results/fleet_sim_isolation_place2.md)."""
+    if capacity_bytes <= 0:
+        return [0.0] * len(placed)
+    per_replica = capacity_bytes * cfg.standard_max_occupancy
+    placed = [max(0, b) for b in placed]
+    rest = max(0, fleet_long_bytes - sum(placed))
+    out = []
+    below = 0.0  # placed KV of the lower ranks, each up to one replica's worth
+    for rank, held in enumerate(placed):
+        # the room the lower ranks had left took the unplaced KV before this one
+        fill = min(max(0.0, per_replica - held), max(0.0, rest - (rank * per_replica - below)))
+        out.append((held + fill) / capacity_bytes)
+        below += min(held, per_replica)
+    return out

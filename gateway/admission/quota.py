@@ -12,7 +12,10 @@ one slot):
 - ``fw:rl:rb:{<version>}``         HASH  retry budget: six slots ``0``..``5`` of
   ``"<slot index>:<admitted>:<retries>"`` over a sliding minute. TTL two windows.
 - ``fw:rl:lc:{<version>}:l|e|w``   the fleet's long-context ledger (leases and sums, lease
-  deadlines, waiting tenants): in the retry budget's slot. On a single Redis the admit,
+  deadlines, waiting tenants): in the retry budget's slot. With ``long_prefill_placement``
+  also ``:r`` (HASH lease -> the replica it was dispatched to: ``Limiter.placed``, read with
+  ``Limiter.placements``; entries of leases gone are dropped by the read, the hash expires
+  with ``:l``). On a single Redis the admit,
   settle and renew scripts take its keys beside the tenant's (one round trip). On a
   cluster they would cross slots, so there ``LONG_CONTEXT_LUA`` runs the same ledger
   functions alone on the ledger's slot: a long-context request is admitted by its tenant's
@@ -495,7 +498,10 @@ end
 # -> {admitted, wait ms, KV in flight after the call, reclaimed, the refusal's clause (0: none;
 # LongContextClause)}; or 'release', lease id,
 # never ran (1/0: see lc_unserve) -> released (0/1); or 'prefilled', lease id (its first
-# token arrived: lc_prefilled) -> released a slot (0/1).
+# token arrived: lc_prefilled) -> released a slot (0/1); or, with the ledger's ``:r`` as
+# KEYS[4] (``long_prefill_placement``), 'placed', lease id, replica id -> recorded (0/1); or
+# 'placements', '' -> {KV in flight, then per replica: id, leased KV, long prefills running,
+# of them very long} (``Limiter.placements``).
 LONG_CONTEXT_LUA = (
     LEDGER_LUA
     + """
@@ -507,6 +513,51 @@ if ARGV[1] == 'release' then
   return lc_drop(KEYS[1], KEYS[2], rid)
 end
 if ARGV[1] == 'prefilled' then return lc_prefilled(KEYS[1], rid, now) end
+-- KEYS[4] (the ledger's ``:r``): each placed lease's replica. 'placed': the lease's request
+-- was dispatched to replica ARGV[3] (recorded only while the lease lives).
+if ARGV[1] == 'placed' then
+  if not redis.call('HGET', KEYS[1], rid) then return 0 end
+  redis.call('HSET', KEYS[4], rid, ARGV[3])
+  local ttl = redis.call('PTTL', KEYS[1])
+  if ttl > 0 and redis.call('PTTL', KEYS[4]) < ttl then redis.call('PEXPIRE', KEYS[4], ttl) end
+  return 1
+end
+-- 'placements': the KV in flight, then per replica its leases' KV, their long prefills
+-- running (prefill end still ahead: no first token yet) and of them the very long ones
+-- (no ':s' tier on the admission record); the records of leases gone are dropped here.
+if ARGV[1] == 'placements' then
+  local out, by, order = {tonumber(redis.call('HGET', KEYS[1], '#') or '0')}, {}, {}
+  local all = redis.call('HGETALL', KEYS[4])
+  for i = 1, #all, 2 do
+    local id, rep = all[i], all[i + 1]
+    local v = redis.call('HGET', KEYS[1], id)
+    if not v then
+      redis.call('HDEL', KEYS[4], id)
+    else
+      local kv, pe = string.match(v, '^(%d+):(%d+):')
+      local x = by[rep]
+      if not x then
+        x = {0, 0, 0}
+        by[rep] = x
+        table.insert(order, rep)
+      end
+      x[1] = x[1] + tonumber(kv)
+      if tonumber(pe) > now then
+        x[2] = x[2] + 1
+        local p = redis.call('HGET', KEYS[1], 'p:' .. id)
+        if not (p and string.sub(p, -2) == ':s') then x[3] = x[3] + 1 end
+      end
+    end
+  end
+  for _, rep in ipairs(order) do
+    local x = by[rep]
+    table.insert(out, rep)
+    table.insert(out, x[1])
+    table.insert(out, x[2])
+    table.insert(out, x[3])
+  end
+  return out
+end
 local tenant, need, budget = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local slots, prefill_ms, window = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local lease_ms, expected_ms, limit = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
@@ -943,9 +994,19 @@ def retry_key(version: str) -> str:
     return f"{PREFIX}rb:{{{version}}}"
 
 
+@dataclass(frozen=True, slots=True)
+class Placements:
+    """``Limiter.placements``: the ledger's long-context KV in flight, and per replica
+    (``by_replica``) its recorded leases' KV, long prefills running and very long ones."""
+
+    inflight_bytes: int
+    by_replica: dict[str, tuple[int, int, int]]
+
+
 def long_context_tag(version: str) -> str:
     """The fleet's long-context ledger of one version: ``:l`` leases and sums, ``:e`` lease
-    deadlines, ``:w`` tenants refused within the demand window. One ledger for the shared
+    deadlines, ``:w`` tenants refused within the demand window, ``:r`` each dispatched
+    lease's replica (written only under ``long_prefill_placement``). One ledger for the shared
     pool, each class admitted against its own budget (its ceiling's share of the same
     replicas), since every class's long contexts land on the same designated replicas."""
     return f"{PREFIX}lc:{{{version}}}"
@@ -1566,10 +1627,9 @@ class Limiter:
         if grant.local or grant.long_local or not self._redis_usable(node):
             return 0
         lc = grant.long_tag
+        keys = (f"{lc}:l", f"{lc}:e", f"{lc}:w", f"{lc}:r")
         try:
-            res = await self._eval(
-                self._long_lua, (f"{lc}:l", f"{lc}:e", f"{lc}:w"), (action, grant.lease_id, *args)
-            )
+            res = await self._eval(self._long_lua, keys, (action, grant.lease_id, *args))
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             self._mark(False, exc, node)
             return 0
@@ -1838,6 +1898,40 @@ class Limiter:
             return False
         self._local_prefill.get(tag, {}).pop(grant.lease_id, None)
         return bool(await self._on_ledger(grant, "prefilled"))
+
+    # -- where long contexts run (long_prefill_placement) ------------------------------
+    async def placed(self, grant: Grant, replica_id: str) -> bool:
+        """A long-context request was dispatched to ``replica_id``: record it on its lease
+        in the ledger (``:r``, 'placed' in ``LONG_CONTEXT_LUA``; one write, long contexts
+        only), for every gateway process's ``placements``. Never raises; True when
+        recorded (the lease still lives in the store)."""
+        if grant.long_tag is None or grant.settled:
+            return False
+        return bool(await self._on_ledger(grant, "placed", replica_id))
+
+    async def placements(self, version: str) -> Placements | None:
+        """The ledger's KV in flight and, per replica, what the leases recorded there
+        (``placed``) hold: their KV, their long prefills running (no first token yet) and
+        of them the very long ones. None when the ledger's node cannot be read."""
+        lc = long_context_tag(version)
+        node = self._ledger_node(version)
+        if not self._redis_usable(node):
+            return None
+        keys = (f"{lc}:l", f"{lc}:e", f"{lc}:w", f"{lc}:r")
+        try:
+            res = await self._eval(self._long_lua, keys, ("placements", ""))
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            self._mark(False, exc, node)
+            return None
+        except RedisError:
+            log.exception("long-context placements read failed for %s", version)
+            return None
+        self._mark(True, node=node)
+        by: dict[str, tuple[int, int, int]] = {}
+        for i in range(1, len(res) - 3, 4):
+            rep = res[i].decode() if isinstance(res[i], bytes) else str(res[i])
+            by[rep] = (int(res[i + 1]), int(res[i + 2]), int(res[i + 3]))
+        return Placements(int(res[0]), by)
 
     # -- renew -------------------------------------------------------------------------
     async def renew(self, grants: Sequence[Grant]) -> tuple[int, int]:

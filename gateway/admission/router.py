@@ -48,7 +48,8 @@ from gateway.admission.placement import (
     PlacementRequest,
     long_context_order,
     long_context_replicas,
-    replicas_hosting,
+    long_floors,
+    packed_floor,
 )
 from gateway.admission.placement import choose as place
 from gateway.admission.prefix import PrefixIndex, PrefixQuery
@@ -128,6 +129,9 @@ class Router:
         self._long: dict[str, dict[str, int]] = {}
         # version -> (clock, fleet long-context KV in flight): the last budget answer
         self._fleet_long: dict[str, tuple[float, int]] = {}
+        # version -> (clock, {replica_id: long-context KV leased there}): the last note of
+        # a shared record of where the leases were placed (``note_placed_long``)
+        self._placed_long: dict[str, tuple[float, dict[str, int]]] = {}
         # replica_id -> {request_id: very long}: long contexts this process dispatched there
         # with no first token yet (their prefills hold the replica's prefill slots)
         self._long_prefill: dict[str, dict[str, bool]] = {}
@@ -178,13 +182,28 @@ class Router:
         (without the request being placed: its own KV is counted by the ceiling check)."""
         self._fleet_long[version] = (self._clock(), max(0, inflight_bytes))
 
+    def note_placed_long(self, version: str, kv_by_replica: dict[str, int]) -> None:
+        """Of the fleet's long-context KV in flight, the part a shared record knows the
+        replica of (every gateway process's leases dispatched there), per replica; for
+        ``lease_ttl_s`` after the note. The long-context floor (``placement.long_floors``)
+        charges each designated replica what is placed there and packs only the rest in
+        order; without a note all of it is packed in order, which is where long contexts
+        packed by KV are. The gateway notes it before placing a long context under
+        ``long_prefill_placement`` (its ledger records each long context's replica then:
+        ``AdmissionController._note_placements``), a short request's placement uses the last
+        note while fresh; the fleet simulation notes it on every arrival from its ledger
+        (``FleetConfig.place_shared``)."""
+        self._placed_long[version] = (self._clock(), dict(kv_by_replica))
+
     def note_long_prefills(self, version: str, by_replica: dict[str, tuple[int, int]]) -> None:
         """The long prefills in flight on each replica of ``version`` fleet-wide (all gateway
         processes' long contexts dispatched there with no first token yet: count, of them
         very long), as a shared record reports them; placement takes the larger of this and
-        this process's own count, for ``lease_ttl_s`` after the note. The fleet simulation
-        feeds it from its ledger (``FleetConfig.place_shared``); the gateway's Redis ledger
-        does not record where a lease was placed, so there each process knows its own."""
+        this process's own count, for ``lease_ttl_s`` after the note. The gateway notes it
+        before placing a long context under ``long_prefill_placement``, from its ledger's
+        record of each long context's replica (``AdmissionController._note_placements``;
+        without the store each process knows its own); the fleet simulation from its ledger
+        (``FleetConfig.place_shared``)."""
         self._fleet_prefills[version] = (self._clock(), dict(by_replica))
 
     def long_prefills(self, version: str, replica_id: str) -> tuple[int, int]:
@@ -231,18 +250,32 @@ class Router:
                 prefix, [s.replica_id for s in states if s.healthy and s.scraped_at > 0]
             )
         # Per request: the order, ranks and designated count come from the cache.
-        _, _, rank, designated = self._layout(version.version, states)
+        _, order, rank, designated = self._layout(version.version, states)
         fleet = self._fleet_long.get(version.version)
         fleet_bytes = 0
         if fleet is not None and self._clock() - fleet[0] <= self._cfg.lease_ttl_s:
             fleet_bytes = fleet[1]
-        hosting = min(designated, replicas_hosting(fleet_bytes, capacity, self._cfg))
-        per_replica = capacity * self._cfg.standard_max_occupancy
+        # per replica where the ledger records placements (long_prefill_placement), else in
+        # order per replica (the default: no list per request)
+        floors: list[float] | None = None
+        noted = self._placed_long.get(version.version)
+        if fleet_bytes and noted is not None and self._clock() - noted[0] <= self._cfg.lease_ttl_s:
+            placed = noted[1]
+            floors = long_floors(
+                fleet_bytes, [placed.get(rid, 0) for rid in order[:designated]], capacity, self._cfg
+            )
         out = []
         for s in states:
             if not s.healthy or s.scraped_at <= 0:
                 continue
             r = rank.get(s.replica_id, -1)
+            floor = 0.0
+            if 0 <= r < designated and fleet_bytes:
+                floor = (
+                    floors[r]
+                    if floors is not None
+                    else packed_floor(fleet_bytes, r, capacity, self._cfg)
+                )
             hit = queued = 0
             prefills = very = 0
             # read by placement only under long_prefill_placement (placement.score)
@@ -261,12 +294,8 @@ class Router:
                     capacity,
                     long_rank=r,
                     long_designated=designated,
-                    hosts_long=bool(self._long.get(s.replica_id)) or 0 <= r < hosting,
-                    long_floor=(
-                        min(per_replica, max(0.0, fleet_bytes - r * per_replica)) / capacity
-                        if 0 <= r < designated and capacity > 0
-                        else 0.0
-                    ),
+                    hosts_long=bool(self._long.get(s.replica_id)) or floor > 0.0,
+                    long_floor=floor,
                     cache_hit_tokens=hit,
                     queued_prefill_tokens=queued,
                     long_prefills=prefills,

@@ -3,6 +3,7 @@ ceilings, the reserved pool and long-context placement always win over every oth
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -407,3 +408,105 @@ def test_reserved_long_off_pool_knob_from_env() -> None:
     assert not AdmissionConfig.from_env({}).reserved_long_off_pool  # off by default
     env = {"GATEWAY_ADMISSION_RESERVED_LONG_OFF_POOL": "1"}
     assert AdmissionConfig.from_env(env).reserved_long_off_pool
+
+
+def packed_in_order(fleet: int, n: int, cfg: AdmissionConfig = CFG) -> list[float]:
+    """The order-packing floor, written out: replica ``r`` holds the fleet's long-context
+    KV beyond ``r`` replicas filled to the standard ceiling, at most one replica's worth."""
+    per = CAP * cfg.standard_max_occupancy
+    return [min(per, max(0.0, fleet - r * per)) / CAP for r in range(n)]
+
+
+placed_kv = st.lists(st.integers(0, CAP), max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 10 * CAP), st.integers(0, 8))
+def test_with_nothing_placed_the_floor_packs_the_fleets_kv_in_order(fleet: int, n: int) -> None:
+    """No replica recorded for any lease (the gateway's ledger today): the floor is exactly
+    the order packing the router charged before per-replica records existed."""
+    assert placement.long_floors(fleet, [0] * n, CAP, CFG) == packed_in_order(fleet, n)
+    # the router's per-replica form of it, without a record (the default)
+    assert [placement.packed_floor(fleet, r, CAP, CFG) for r in range(n)] == packed_in_order(
+        fleet, n
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 10 * CAP), placed_kv)
+def test_the_floor_charges_each_replica_its_own_and_packs_only_the_rest(
+    fleet: int, placed: list[int]
+) -> None:
+    """Each replica is charged at least the KV placed on it; on top, only the KV with no
+    recorded replica, in order, into the room left under the standard ceiling, never more
+    of it than there is."""
+    floors = placement.long_floors(fleet, placed, CAP, CFG)
+    per = CAP * CFG.standard_max_occupancy
+    extra = [f * CAP - b for f, b in zip(floors, placed, strict=True)]
+    rest = max(0, fleet - sum(placed))
+    for b, e in zip(placed, extra, strict=True):
+        assert e >= -1e-6 and b + e <= max(b, per) + 1e-6
+    assert sum(extra) <= rest + 1e-6
+    # in order: a replica gets unplaced KV only once every lower rank is full
+    for r, e in enumerate(extra):
+        if e > 1e-6:
+            assert all(placed[i] + extra[i] >= per - 1e-6 for i in range(r))
+    room = sum(max(0.0, per - b) for b in placed)
+    assert math.isclose(sum(extra), min(rest, room), abs_tol=1e-3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(placed_kv)
+def test_a_fully_recorded_fleet_is_charged_where_its_long_contexts_are(placed: list[int]) -> None:
+    """Every lease's replica known: each replica's floor is its own long-context KV, however
+    they spread over the order (placement by prefill slots spreads them)."""
+    floors = placement.long_floors(sum(placed), placed, CAP, CFG)
+    assert floors == [b / CAP for b in placed]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 10 * CAP), placed_kv, st.data())
+def test_recording_a_leases_replica_raises_no_other_replicas_floor(
+    fleet: int, placed: list[int], data: st.DataObject
+) -> None:
+    """Knowing where one more lease runs only takes an assumption away: its replica may be
+    charged more, no other replica is charged more than before."""
+    if not placed:
+        return
+    j = data.draw(st.integers(0, len(placed) - 1))
+    kv = data.draw(st.integers(0, max(0, fleet - sum(placed))))
+    before = placement.long_floors(fleet, placed, CAP, CFG)
+    after = placement.long_floors(
+        fleet, [b + kv if i == j else b for i, b in enumerate(placed)], CAP, CFG
+    )
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        if i != j:
+            assert a <= b + 1e-9
+
+
+def test_the_router_charges_long_contexts_where_the_shared_record_placed_them() -> None:
+    """The fleet holds two replicas' worth of long-context KV, placed on the 2nd and 3rd
+    designated replicas (spread by prefill slots). Packed in order, the floor says the 1st
+    and 2nd are full and sends the next long context to the 3rd, which is full; with the
+    record of where each lease runs, the 1st is empty and takes it."""
+    router, reg, now = make(16)  # 16 shared replicas: 4 designated
+    reg.scrape(0.95, **{f"r{i}": 0.0 for i in range(16)})
+    order = placement.long_context_order(VERSION.version, [r.replica_id for r in reg.records])
+    capacity = VERSION.kv_capacity_tokens * VERSION.kv_bytes_per_token
+    full = int(capacity * CFG.standard_max_occupancy)
+    prompt = 20_000 * BYTES_PER_TOKEN
+    router.note_fleet_long(VERSION.version, 2 * full)
+    blind = {v.replica_id: v for v in router.views(VERSION)}
+    assert blind[order[0]].hosts_long and blind[order[1]].hosts_long
+    assert not blind[order[2]].hosts_long
+    blind_pick = router.choose(VERSION, "standard", prompt, long_context=True)
+    assert blind_pick is not None and blind_pick.replica_id == order[2]
+    router.note_placed_long(VERSION.version, {order[1]: full, order[2]: full})
+    seen = {v.replica_id: v for v in router.views(VERSION)}
+    assert seen[order[0]].load() == 0.0 and not seen[order[0]].hosts_long
+    assert seen[order[2]].load() >= CFG.standard_max_occupancy - 1e-9 and seen[order[2]].hosts_long
+    pick = router.choose(VERSION, "standard", prompt, long_context=True)
+    assert pick is not None and pick.replica_id == order[0]
+    # short traffic keeps off the replicas the record says host long contexts
+    short = router.choose(VERSION, "standard", 500 * BYTES_PER_TOKEN)
+    assert short is not None and short.replica_id not in (order[1], order[2])
