@@ -1623,21 +1623,31 @@ class Limiter:
         0 when the lease was claimed in-process or the ledger's node cannot be asked.
         Never raises."""
         assert grant.long_tag is not None
-        node = self._ledger_node(grant.version)
-        if grant.local or grant.long_local or not self._redis_usable(node):
+        if grant.local or grant.long_local:
             return 0
-        lc = grant.long_tag
+        res = await self._ledger_eval(
+            grant.version, (action, grant.lease_id, *args), f"{action} of lease {grant.lease_id}"
+        )
+        return 0 if res is None else int(res)
+
+    async def _ledger_eval(self, version: str, args: Sequence[Arg], what: str) -> Any:
+        """One ``LONG_CONTEXT_LUA`` call on ``version``'s ledger: its answer, or None when
+        the ledger's node cannot be asked (marked down) or the script failed. Never raises."""
+        node = self._ledger_node(version)
+        if not self._redis_usable(node):
+            return None
+        lc = long_context_tag(version)
         keys = (f"{lc}:l", f"{lc}:e", f"{lc}:w", f"{lc}:r")
         try:
-            res = await self._eval(self._long_lua, keys, (action, grant.lease_id, *args))
+            res = await self._eval(self._long_lua, keys, args)
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             self._mark(False, exc, node)
-            return 0
+            return None
         except RedisError:
-            log.exception("long-context %s failed for lease %s", action, grant.lease_id)
-            return 0
+            log.exception("long-context %s failed for %s", what, version)
+            return None
         self._mark(True, node=node)
-        return int(res)
+        return res
 
     def _ledger_node(self, version: str) -> Node:
         if isinstance(self._channel, ClusterScriptChannel):
@@ -1913,20 +1923,9 @@ class Limiter:
         """The ledger's KV in flight and, per replica, what the leases recorded there
         (``placed``) hold: their KV, their long prefills running (no first token yet) and
         of them the very long ones. None when the ledger's node cannot be read."""
-        lc = long_context_tag(version)
-        node = self._ledger_node(version)
-        if not self._redis_usable(node):
+        res = await self._ledger_eval(version, ("placements", ""), "placements read")
+        if res is None:
             return None
-        keys = (f"{lc}:l", f"{lc}:e", f"{lc}:w", f"{lc}:r")
-        try:
-            res = await self._eval(self._long_lua, keys, ("placements", ""))
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            self._mark(False, exc, node)
-            return None
-        except RedisError:
-            log.exception("long-context placements read failed for %s", version)
-            return None
-        self._mark(True, node=node)
         by: dict[str, tuple[int, int, int]] = {}
         for i in range(1, len(res) - 3, 4):
             rep = res[i].decode() if isinstance(res[i], bytes) else str(res[i])
