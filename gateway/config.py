@@ -231,7 +231,7 @@ class GatewayConfig:
                 "GATEWAY_PREFIX_HASH_SEED must be 'random' or an integer in [0, 4294967295]"
                 " (the replicas' PYTHONHASHSEED)"
             )
-        return cls(
+        config = cls(
             redis_url=env.get("REDIS_URL") or DEFAULT_REDIS_URL,
             readmodel_redis_url=env.get("READMODEL_REDIS_URL") or None,
             limits_redis_url=env.get("LIMITS_REDIS_URL") or None,
@@ -303,6 +303,13 @@ class GatewayConfig:
                 env.get("GATEWAY_TOKENIZER_FILES", ""), env.get("GATEWAY_CHAT_TEMPLATES", "")
             ),
         )
+        if config.admission.long_context_hold_s >= config.max_stream_s:
+            # a held request's whole life counts against max_stream_s (the exchange's
+            # deadline is what is left of it after the hold)
+            raise ConfigError(
+                "GATEWAY_ADMISSION_LONG_CONTEXT_HOLD_S must be under GATEWAY_MAX_STREAM_S"
+            )
+        return config
 
     def token_counter(self, version: str, family: str) -> ExactCounter | None:
         """The model's own tokenizer, configured by version or by family, or None."""

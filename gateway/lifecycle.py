@@ -15,9 +15,32 @@ T = TypeVar("T")
 
 class Lifecycle:
     def __init__(self) -> None:
-        self.draining = False
+        self._draining = False
+        self._drain_begun: asyncio.Event | None = None
         self.started = False
         self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = value
+        if self._drain_begun is not None:
+            if value:
+                self._drain_begun.set()
+            elif self._drain_begun.is_set():
+                self._drain_begun = None
+
+    async def drain_begun(self) -> None:
+        """Returns once the drain has begun (at once while draining): what ends a request
+        the gateway holds before its admission (gateway/admission/hold.py)."""
+        if self._draining:
+            return
+        if self._drain_begun is None:
+            self._drain_begun = asyncio.Event()
+        await self._drain_begun.wait()
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Run ``coro`` to completion even if the request that started it is cancelled;

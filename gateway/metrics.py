@@ -18,6 +18,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.15, 0.2, 0.5, 1.0)
+# Seconds a long-context request was held before its answer (gateway/admission/hold.py).
+HOLD_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0)
 OVERHEAD_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025,
     0.05, 0.1, 0.5,
@@ -234,6 +236,27 @@ class AdmissionMetrics:
             ["model", "clause"],
             registry=r,
         )
+        self.long_context_holds = Counter(
+            "fairway_admission_long_context_holds",
+            "Long-context refusals the hold considered (long_context_hold_s), by outcome: "
+            "admitted or refused after a hold, past_bound or over_cap (not held), client_gone, "
+            "draining, other (a later ask ended another way).",
+            ["outcome"],
+            registry=r,
+        )
+        self.long_context_held = Histogram(
+            "fairway_admission_long_context_held_seconds",
+            "How long a held long-context request was held before its answer, by outcome.",
+            ["outcome"],
+            buckets=HOLD_BUCKETS,
+            registry=r,
+        )
+        self.long_context_holding = Gauge(
+            "fairway_admission_long_context_held_requests",
+            "Long-context requests this gateway holds now.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.redis_up_gauge = Gauge(
             "fairway_admission_limits_store_up",
             "1 while the limits store (Redis) answers; 0: rates fail open, KV fails closed.",
@@ -311,3 +334,12 @@ class AdmissionMetrics:
 
     def store_error(self, kind: str) -> None:
         self.store_errors.labels(kind).inc()
+
+    # The HoldStats protocol of gateway/admission/hold.py:
+    def hold_ended(self, outcome: str, held_s: float | None) -> None:
+        self.long_context_holds.labels(outcome).inc()
+        if held_s is not None:
+            self.long_context_held.labels(outcome).observe(held_s)
+
+    def holding(self, delta: int) -> None:
+        self.long_context_holding.inc(delta)

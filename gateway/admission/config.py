@@ -209,6 +209,14 @@ class AdmissionConfig:
     # A tenant competes for the long-context budget (max-min fair share) while it asked for
     # it within this window.
     long_context_demand_window_s: float = 15.0
+    # The long-context hold (gateway/admission/hold.py): a request the budget refuses with a
+    # told wait is held by the gateway, waits that wait and asks again, while its whole hold
+    # stays within long_context_hold_s, instead of getting the 503 (0: off, the 503 at once;
+    # not measured yet). Per process at most long_context_hold_per_tenant held requests of
+    # one tenant and long_context_hold_max in all; past either, the 503 at once.
+    long_context_hold_s: float = 0.0
+    long_context_hold_per_tenant: int = 4
+    long_context_hold_max: int = 64
     # Which layers are enforced (all by default).
     layers: frozenset[str] = frozenset(LAYERS)
 
@@ -281,6 +289,10 @@ class AdmissionConfig:
             raise ValueError("0 < long_prefill_step_share < 1")
         if self.long_prefill_hold_factor < 1:
             raise ValueError("long_prefill_hold_factor >= 1")
+        if self.long_context_hold_s < 0:
+            raise ValueError("long_context_hold_s >= 0 (0: off)")
+        if self.long_context_hold_per_tenant < 1 or self.long_context_hold_max < 1:
+            raise ValueError("long_context_hold_per_tenant >= 1, long_context_hold_max >= 1")
         if not 0 <= self.long_prefill_attention_share <= 1:
             raise ValueError("0 <= long_prefill_attention_share <= 1")
         if self.strategy not in get_args(Strategy):

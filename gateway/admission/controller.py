@@ -68,6 +68,7 @@ from gateway.admission.estimates import (
     tokens_estimate,
     tpot_estimate,
 )
+from gateway.admission.hold import HoldPlaces, LongContextHold, LongContextRefusal
 from gateway.admission.long_context import (
     REFUSAL_CLAUSE_HEADER,
     long_context_budget,
@@ -184,6 +185,13 @@ class AdmissionController:
         self._headroom: dict[tuple[str, str], Headroom] = {}
         self._undecided: dict[tuple[str, str], Undecided] = {}
         self._renewer: asyncio.Task[None] | None = None
+        # The long-context hold (off unless long_context_hold_s > 0): the request pipeline
+        # runs it around ``admit`` (gateway/admission/hold.py).
+        self.hold = LongContextHold(
+            self._cfg.long_context_hold_s,
+            HoldPlaces(self._cfg.long_context_hold_per_tenant, self._cfg.long_context_hold_max),
+            self.metrics,
+        )
 
     @property
     def limiter(self) -> Limiter:
@@ -584,12 +592,12 @@ class AdmissionController:
                 clause,
                 d.frees_in_ms,
             )
-            return Unavailable(
+            return LongContextRefusal(
                 f"The fleet's long-context capacity for {req.version.version} is in use: "
                 f"a prompt of {req.prompt_tokens_est} tokens needs a long-context slot, and "
                 "they are shared fairly among the tenants asking for them. This is our "
                 "capacity, not your quota; retry after the delay.",
-                code="long_context_capacity",
+                wait_ms=wait_ms,
                 headers={
                     **headers,
                     **retry_headers(wait_ms),

@@ -10,6 +10,7 @@ withdraws it (the replica aborts)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -21,6 +22,7 @@ from redis.exceptions import RedisError
 
 from contracts.schema import Scope
 from gateway.admission.controller import AdmissionRequest
+from gateway.admission.hold import HELD_HEADER, HoldEnded, LongContextRefusal
 from gateway.admission.idempotency import KIND_JSON, Claim, Replay, validate_key
 from gateway.admission.prefix import PrefixQuery
 from gateway.admission.retrymemory import RequestPrint, RetryIdentity, retryable
@@ -56,6 +58,12 @@ log = logging.getLogger("gateway.chat")
 # The recently-refused memory answers only while the limits store answered within this long.
 REFUSAL_MEMORY_TRUST_S = 1.0
 STORE_ERROR_LOG_EVERY_S = 10.0  # at most one "redis unavailable" line per process this often
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client disconnects (its body was read: nothing else comes)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class Endpoint(Protocol):
@@ -140,6 +148,7 @@ class RequestPipeline:
         dispatch: Dispatch | None = None  # the upstream request, when sent before admission
         dispatched_at = 0.0
         shown: RequestPrint | None = None  # this body, for the retry memory (no Idempotency-Key)
+        held_s = 0.0  # how long the long-context hold kept it before admission
         try:
             if x.lifecycle.draining:
                 raise Unavailable(
@@ -246,7 +255,21 @@ class RequestPipeline:
                 dispatched_at = time.monotonic()
                 with contextlib.suppress(UpstreamFailure):  # the exchange retries and reports
                     dispatch = x.upstream.send(early.replica, body, request_id, req.path)
-            ticket = await x.admission.admit(admission, early)
+            try:
+                ticket = await x.admission.admit(admission, early)
+            except LongContextRefusal as refusal:
+                if not x.admission.hold.enabled or dispatch is not None:
+                    raise
+                # held: waits its told wait and asks again (gateway/admission/hold.py)
+                ticket, hold = await x.admission.hold.run(
+                    refusal,
+                    lambda: x.admission.admit(admission),
+                    tenant=tenant_id,
+                    left_s=config.max_stream_s,
+                    ended=lambda: self._hold_ended(receive),
+                )
+                headers[HELD_HEADER] = str(hold.held_ms)
+                held_s = hold.held_s
         except ClientGone:
             self._release(claim, dispatch)
             self._failed(shown, CLIENT_CLOSED)
@@ -301,6 +324,7 @@ class RequestPipeline:
             headers=headers,
             dispatch=dispatch,
             dispatched_at=dispatched_at,
+            held_s=held_s,
         )
         exchange = Exchange(x, ctx)
         try:
@@ -309,6 +333,19 @@ class RequestPipeline:
             # Cut off after its 200 (finish set: error, timeout, cancelled) is a failure too.
             ended = exchange.status or 200
             self._failed(shown, 500 if ended == 200 and exchange.finish is not None else ended)
+
+    async def _hold_ended(self, receive: Receive) -> BaseException:
+        """What ends a long-context hold from outside: the client going away (answered as
+        any client gone before admission) or this process's drain (the refusal is answered,
+        ``HoldEnded``)."""
+        gone = asyncio.ensure_future(_disconnected(receive))
+        drain = asyncio.ensure_future(self.x.lifecycle.drain_begun())
+        try:
+            done, _ = await asyncio.wait({gone, drain}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            drain.cancel()
+        return ClientGone() if gone in done else HoldEnded()
 
     def _failed(self, shown: RequestPrint | None, status: int) -> None:
         """Remember a retryable failure: the same body again is this request's retry."""

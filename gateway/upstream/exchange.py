@@ -136,6 +136,9 @@ class ExchangeContext:
     headers: dict[str, str]  # the response's
     dispatch: Dispatch | None = None  # already sent (early dispatch, endpoints/pipeline.py)
     dispatched_at: float = 0.0
+    # how long the long-context hold kept it before admission (gateway/admission/hold.py):
+    # counted in its latency and its maximum duration, not in the gateway's own time
+    held_s: float = 0.0
 
 
 class Exchange:
@@ -173,6 +176,7 @@ class Exchange:
         self.stored = False
         self.dispatch = ctx.dispatch
         self.dispatched_at = ctx.dispatched_at
+        self.held_s = ctx.held_s
         self.added_observed = False
         self.prefill_released = False  # a long context's prefill slot, at its first token
         self._awaiting_first_token = False
@@ -188,7 +192,7 @@ class Exchange:
         # No response outlives max_stream_s: a client reading very slowly (or a replica
         # trickling) must not hold a connection, a tenant slot and the replica's KV for ever.
         deadline = asyncio.get_running_loop().call_later(
-            self.svc.config.max_stream_s, self._expire, task
+            self.svc.config.max_stream_s - self.held_s, self._expire, task
         )
         self.svc.metrics.inflight.inc()
         self._mark()  # dispatched (or about to be): a death from here on is billed
@@ -291,7 +295,7 @@ class Exchange:
                 tenant_id=self.principal.tenant.tenant_id,
             )
             self.dispatched_at = time.monotonic()
-        self.svc.metrics.preflight.observe(self.dispatched_at - self.tracker.started)
+        self.svc.metrics.preflight.observe(self._preflight())
         try:
             if dispatch is None:
                 dispatch = svc.upstream.send(replica, body, self.request_id, self.req.path)
@@ -488,8 +492,11 @@ class Exchange:
         request left, plus its time from the upstream's first token (streaming) or last
         event (JSON) to handing the bytes to the client's socket."""
         self.added_observed = True
-        preflight = self.dispatched_at - self.tracker.started
-        self.svc.metrics.added.observe(preflight + time.monotonic() - upstream_event_at)
+        self.svc.metrics.added.observe(self._preflight() + time.monotonic() - upstream_event_at)
+
+    def _preflight(self) -> float:
+        """The gateway's own time before the upstream request left (a hold is not)."""
+        return self.dispatched_at - self.tracker.started - self.held_s
 
     async def _relay_json(self, response: UpstreamResponse, send: Send) -> None:
         tracker = self.tracker
