@@ -44,6 +44,7 @@ from bench.noisy_neighbour import (
     ArmResult,
     NNConfig,
     coarse_profile,
+    hold_note,
     run_arm,
     summarise,
     tenants,
@@ -798,9 +799,10 @@ POOLED_NOTE = (
 
 def _client_note(cfg: NNConfig) -> str:
     if cfg.client_retries == 0:
-        return "Clients send each request once (no retries)."
+        return "Clients send each request once (no retries)." + hold_note(cfg)
     return (
         f"Clients retry a 429/503 up to {cfg.client_retries} times as the openai Python SDK "
         "does (bench/loadgen.py): the response's retry-after when within the SDK's 120 s, "
         "else 0.5 s, 1 s, … backoff less up to 25 % jitter; TTFT from the first attempt."
+        + hold_note(cfg)
     )

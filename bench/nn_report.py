@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.noisy_neighbour import ARM_TITLES, ArmResult, NNConfig, summarise
+from bench.noisy_neighbour import ARM_TITLES, ArmResult, NNConfig, hold_note, summarise
 from bench.plots import arms_timeseries
 from bench.stats import (
     RETRY_HEADER,
@@ -269,10 +269,12 @@ def _intro(cfg: NNConfig, specs: Sequence[TenantSpec], profile: Profile, command
         + ". The noisy tenant sends 128,000-token prompts. "
         + (
             f"Clients retry a 429/503 up to {cfg.client_retries} times as the openai Python "
-            "SDK does (bench/loadgen.py); TTFT from the first attempt.\n"
+            "SDK does (bench/loadgen.py); TTFT from the first attempt."
             if cfg.client_retries
-            else "Clients send each request once (no retries).\n"
-        ),
+            else "Clients send each request once (no retries)."
+        )
+        + hold_note(cfg)
+        + "\n",
     ]
 
 

@@ -169,6 +169,10 @@ class NNConfig:
     # short retry-after costs the user a wait, not the request. 0: each request sent once
     # (the runs before this option).
     client_retries: int = SDK_MAX_RETRIES
+    # The gateways of arm c hold a long-context refusal up to this many wall seconds instead
+    # of answering 503 (GATEWAY_ADMISSION_LONG_CONTEXT_HOLD_S, gateway/admission/hold.py);
+    # 0, the default: the gateway's own default, no hold.
+    long_context_hold_s: float = 0.0
     # Diagnostics (``--trace-dir``): per arm, each replica's finished requests (the emulator's
     # ``--request-log``), the gateway's usage events (request, tenant, replica, TTFT) and the
     # load generator's outcomes, under ``<trace_dir>/s<seed>-n<noisy>-<arm>/``.
@@ -284,7 +288,9 @@ TTFT_TARGET_S = 1.0  # the design's TTFT SLO
 
 
 # Gateway knobs per arm: GATEWAY_ADMISSION_* (gateway.admission.config.AdmissionConfig.from_env).
-def gateway_env(arm: str, k: int = 8) -> dict[str, str]:
+def gateway_env(arm: str, k: int = 8, long_context_hold_s: float = 0.0) -> dict[str, str]:
+    if arm == "c" and long_context_hold_s > 0:
+        return {"GATEWAY_ADMISSION_LONG_CONTEXT_HOLD_S": f"{long_context_hold_s:g}"}
     if arm == "c0":
         return {
             "GATEWAY_ADMISSION_LAYERS": "requests,tokens,kv_seconds,capacity,retry_budget",
@@ -309,6 +315,16 @@ def gateway_env(arm: str, k: int = 8) -> dict[str, str]:
             "GATEWAY_PREFIX_BLOCK_SIZE": str(max(1, 16 // k)),
         }
     return {}
+
+
+def hold_note(cfg: NNConfig) -> str:
+    """The reports' sentence on arm c's long-context hold ("" when off)."""
+    if cfg.long_context_hold_s <= 0:
+        return ""
+    return (
+        f" Arm c's gateways hold a long-context refusal up to {cfg.long_context_hold_s:g} "
+        "wall seconds before answering 503 (GATEWAY_ADMISSION_LONG_CONTEXT_HOLD_S)."
+    )
 
 
 # -- running an arm -------------------------------------------------------------------------
@@ -423,7 +439,10 @@ def run_arm(
             finally:
                 client.close()
             gw = cluster.start_gateway(
-                redis_url, cfg.gateway_workers, gateway_env(arm, cfg.k), workdir
+                redis_url,
+                cfg.gateway_workers,
+                gateway_env(arm, cfg.k, cfg.long_context_hold_s),
+                workdir,
             )
             url = gw.base_url + "/v1/chat/completions"
             targets = {
@@ -561,6 +580,15 @@ def main(argv: list[str] | None = None) -> int:
         f"openai Python SDK's delays; default {SDK_MAX_RETRIES}, the SDK's default; 0 sends "
         "every request once, as runs before this option did",
     )
+    ap.add_argument(
+        "--long-context-hold",
+        type=float,
+        default=None,
+        metavar="S",
+        help="arm c's gateways hold a long-context refusal up to S wall seconds, asking the "
+        "budget again after each told wait, instead of answering 503 "
+        "(GATEWAY_ADMISSION_LONG_CONTEXT_HOLD_S); default 0, off",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument(
         "--trace-dir",
@@ -583,6 +611,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.client_retries < 0:
             ap.error("--client-retries must be >= 0")
         cfg = dataclasses.replace(cfg, client_retries=args.client_retries)
+    if args.long_context_hold is not None:
+        if args.long_context_hold < 0:
+            ap.error("--long-context-hold must be >= 0")
+        cfg = dataclasses.replace(cfg, long_context_hold_s=args.long_context_hold)
     if args.chunk_tokens is not None:
         share = cfg.long_prefill_tokens / cfg.chunk_tokens
         cfg = dataclasses.replace(

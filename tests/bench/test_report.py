@@ -158,3 +158,15 @@ def test_refused_requests_are_counted_per_tenant_beside_the_percentiles_they_mis
         "| 2 / 4 (2 of 6 long) | 0 / 0 (0 of 2 long) "
         "| 42 / 0 / 6 (0 retries) | 42 / 0 / 0 (0 retries) |"
     )
+
+
+def test_the_long_context_hold_flag_sets_arm_cs_gateways_only() -> None:
+    from bench.noisy_neighbour import gateway_env, hold_note
+
+    hold = {"GATEWAY_ADMISSION_LONG_CONTEXT_HOLD_S": "7.5"}
+    assert gateway_env("c", 8, 7.5) == hold
+    assert gateway_env("c", 8) == {} and gateway_env("c", 8, 0.0) == {}
+    for arm in ("quiet", "b", "c0", "fcfs", "quiet2"):
+        assert "GATEWAY_ADMISSION_LONG_CONTEXT_HOLD_S" not in gateway_env(arm, 8, 7.5)
+    assert hold_note(NNConfig()) == ""
+    assert "up to 7.5 wall seconds" in hold_note(NNConfig(long_context_hold_s=7.5))
