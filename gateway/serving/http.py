@@ -22,7 +22,8 @@ _REQUEST_ID = re.compile(rb"[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}")
 
 
 class ClientGone(Exception):
-    """The client disconnected before the request body was complete."""
+    """The client disconnected before its response began: while its body was still coming,
+    or while the gateway held it before admission (gateway/admission/hold.py)."""
 
 
 @dataclass(slots=True)
