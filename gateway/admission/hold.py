@@ -62,8 +62,9 @@ class LongContextRefusal(Unavailable):
 
 
 class HoldEnded(Exception):
-    """The wait was ended from outside: the client went away (``ClientGone``, which the
-    pipeline answers as before) or the process began its drain."""
+    """The process began its drain: a held request is answered its refusal at once (a
+    client gone ends the wait with its own exception, which the pipeline answers as any
+    client gone before admission)."""
 
 
 def hold_wait_ms(*, told_ms: int, held_ms: float, bound_ms: float, left_ms: float) -> int | None:
@@ -135,9 +136,9 @@ class NullHoldStats:
 
 @dataclass(slots=True)
 class Held:
-    """An admitted request's hold: how long it was held (0: never refused, or not held)."""
+    """How long the gateway held a request it then admitted."""
 
-    held_ms: int = 0
+    held_ms: int
 
     @property
     def held_s(self) -> float:
