@@ -166,12 +166,13 @@ async def after_scrapes(gw: LaunchedGateway, n: int = 2) -> None:
 
 @contextlib.contextmanager
 def two_gateways(
-    tmp: Path, redis_url: str, env: dict[str, str]
+    tmp: Path, redis_url: str, env: dict[str, str], env_b: dict[str, str] | None = None
 ) -> Iterator[tuple[GatewayProc, GatewayProc]]:
-    """Two gateway processes on one Redis (stopped on exit, also when the second fails)."""
+    """Two gateway processes on one Redis (stopped on exit, also when the second fails);
+    the second with ``env_b`` when given."""
     a = spawn_gateway(tmp, redis_url, env)
     try:
-        b = spawn_gateway(tmp, redis_url, env)
+        b = spawn_gateway(tmp, redis_url, env if env_b is None else env_b)
     except BaseException:
         a.terminate(20)
         raise

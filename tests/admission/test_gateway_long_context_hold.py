@@ -32,6 +32,7 @@ from tests.admission.procs import (
     held_streams,
     metric,
     spawn_gateway,
+    two_gateways,
     wait_replica_idle,
 )
 from tests.admission.test_gateway_long_prefill import (
@@ -64,18 +65,8 @@ def gws(
     rm: Seeder,  # noqa: F811
 ) -> Iterator[tuple[GatewayProc, GatewayProc]]:
     """(holding, not holding): two gateway processes on one Redis."""
-    tmp = tmp_path_factory.mktemp("hold-gws")
-    holding = spawn_gateway(tmp, redis_url, HOLD_ENV)
-    try:
-        plain = spawn_gateway(tmp, redis_url, GW_ENV)
-    except BaseException:
-        holding.terminate(20)
-        raise
-    try:
-        yield holding, plain
-    finally:
-        holding.terminate(20)
-        plain.terminate(20)
+    with two_gateways(tmp_path_factory.mktemp("hold-gws"), redis_url, HOLD_ENV, GW_ENV) as pair:
+        yield pair
 
 
 @pytest.fixture(autouse=True)
