@@ -95,6 +95,23 @@ async def until_held(gw: GatewayProc, n: int = 1) -> None:
     await wait_until_async(enough, 30, 0.05, f"{n} request(s) held")
 
 
+async def held_beside(
+    client: httpx.AsyncClient,
+    held: list[httpx.Response],
+    rdb: redis.Redis,
+    gws: tuple[GatewayProc, GatewayProc],
+    a_t: Tenant,
+    b_t: Tenant,
+) -> tuple[asyncio.Task[httpx.Response], asyncio.Task[httpx.Response]]:
+    """A's long prompt prefilling (admitted through ``gws[1]``), then B's asked through
+    ``gws[0]`` and held there: (A's stream, B's)."""
+    holder, busy = gws
+    first, _ = await first_admitted(client, held, busy, rdb, a_t)
+    b = asyncio.create_task(open_long(client, held, holder, b_t))
+    await until_held(holder)
+    return first, b
+
+
 async def test_a_long_prompt_refused_for_the_busy_slot_is_held_and_served(
     rm: Seeder,  # noqa: F811
     rdb: redis.Redis,
@@ -160,12 +177,10 @@ async def test_the_tenants_cap_turns_the_surplus_into_503s(
     """One held request per tenant on this gateway: B's second long prompt, asked while
     its first is held, gets the 503 at once; another tenant's is still held."""
     a_t, b_t, c_t = (rm.tenant("standard", limits()) for _ in range(3))
-    holding, plain = gws
+    holding = gws[0]
     over_cap = await asyncio.to_thread(holds, holding, "over_cap")
     async with held_streams() as (client, held):
-        first, _ = await first_admitted(client, held, plain, rdb, a_t)
-        b1 = asyncio.create_task(open_long(client, held, holding, b_t))
-        await until_held(holding)
+        first, b1 = await held_beside(client, held, rdb, gws, a_t, b_t)
         b2 = await open_long(client, held, holding, b_t)  # the surplus
         assert b2.status_code == 503 and b2.json()["error"]["code"] == "long_context_capacity"
         assert HELD_HEADER not in b2.headers
@@ -185,12 +200,10 @@ async def test_a_client_gone_during_the_hold_ends_it(
     gws: tuple[GatewayProc, GatewayProc],
 ) -> None:
     a_t, b_t = rm.tenant("standard", limits()), rm.tenant("standard", limits())
-    holding, plain = gws
+    holding = gws[0]
     gone_before = await asyncio.to_thread(holds, holding, "client_gone")
     async with held_streams() as (client, held):
-        first, _ = await first_admitted(client, held, plain, rdb, a_t)
-        b = asyncio.create_task(open_long(client, held, holding, b_t))
-        await until_held(holding)
+        first, b = await held_beside(client, held, rdb, gws, a_t, b_t)
         b.cancel()  # B's client gives up while held
         with contextlib.suppress(asyncio.CancelledError):
             await b
@@ -224,9 +237,7 @@ async def test_the_drain_ends_the_hold_with_the_503(
     )
     try:
         async with held_streams() as (client, held):
-            first, _ = await first_admitted(client, held, plain, rdb, a_t)
-            b = asyncio.create_task(open_long(client, held, draining, b_t))
-            await until_held(draining)
+            first, b = await held_beside(client, held, rdb, (draining, plain), a_t, b_t)
             code = await asyncio.to_thread(draining.terminate, 30)
             r = await b
             assert r.status_code == 503 and r.json()["error"]["code"] == "long_context_capacity"
