@@ -6,7 +6,9 @@ An endpoint supplies only what is its own (``Endpoint``): its scope, how its bod
 how its prompt is estimated (with the model's tokenizer where one is configured), and its
 prefix for cache-aware routing. When admission's ``early_route`` allows it, the upstream
 request is written before the quota round trip starts, so the two overlap; a refusal
-withdraws it (the replica aborts)."""
+withdraws it (the replica aborts). With the long-context hold on, a long context the
+budget refuses is held here and asks again after each told wait, until admitted, its
+bound, its client's going away or the drain (gateway/admission/hold.py)."""
 
 from __future__ import annotations
 
