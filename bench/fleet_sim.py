@@ -215,6 +215,10 @@ class FleetConfig:
     prefill_placement: bool = False
     place_shared: bool = False
     # bench/results/fleet_sim_isolation_place.md, fleet_sim_isolation_place2.md
+    # AdmissionConfig.long_context_fit (the gateway's default, off): the budget admits an
+    # ask only while some designated replica can hold it whole (``long_context.fit_budget``),
+    # the arms of --place-fit and --fit-packed (bench/results/fleet_sim_isolation_fit.md).
+    lc_fit: bool = False
 
     def replica_long_prefill_tokens(self, idx: int) -> int:
         """Replica ``idx``'s --long-prefill-token-threshold (the pool is replicas
@@ -234,6 +238,7 @@ class FleetConfig:
             reserved_long_off_pool=self.reserved_long_off_pool,
             short_long_prefill_slots_per_replica=self.lane_slots,
             long_prefill_placement=self.prefill_placement,
+            long_context_fit=self.lc_fit,
             layers=frozenset(layers),
         )
 
@@ -1143,6 +1148,8 @@ def isolation_experiments(
     lane_off: bool = False,
     place_own: bool = False,
     place_shared: bool = False,
+    place_fit: bool = False,
+    fit_packed: bool = False,
 ) -> dict[str, FleetConfig]:
     """The several-heavy-tenants variant, old policy against new in one run: ``heavy``
     standard tenants flooding 128k prompts (at ``heavy_rates``, cycled) on top of the
@@ -1161,7 +1168,10 @@ def isolation_experiments(
     long-context budget's lane (``FleetConfig.lane_slots`` 0: one tier); with ``place_own``,
     also the new policy placing long contexts by their prefill slots as each gateway knows
     its own (``FleetConfig.prefill_placement``); with ``place_shared``, also that with every
-    gateway seeing all long prefills in flight per replica (``FleetConfig.place_shared``)."""
+    gateway seeing all long prefills in flight per replica (``FleetConfig.place_shared``);
+    with ``place_fit``, also that with the budget admitting only what some designated
+    replica can hold whole (``FleetConfig.lc_fit``); with ``fit_packed``, also the new
+    policy (packing by KV) with that rule."""
     base = scale.config(seed)
     if heavy_duration_s:
         base = replace(base, duration_s=heavy_duration_s, warmup_s=heavy_duration_s / 3)
@@ -1185,6 +1195,12 @@ def isolation_experiments(
         out[f"new, prefill slots fleet-wide, {heavy} heavy tenants"] = replace(
             new, prefill_placement=True, place_shared=True
         )
+    if place_fit:
+        out[f"new, prefill slots fleet-wide, whole-context budget, {heavy} heavy tenants"] = (
+            replace(new, prefill_placement=True, place_shared=True, lc_fit=True)
+        )
+    if fit_packed:
+        out[f"new, whole-context budget, {heavy} heavy tenants"] = replace(new, lc_fit=True)
     if reserved_rule_off:
         out[f"new, reserved on idle designated replicas, {heavy} heavy tenants"] = replace(
             new, reserved_off_long=False
@@ -2397,6 +2413,19 @@ def main(argv: list[str] | None = None) -> int:
         "there (Router.note_placed_long), not only its own",
     )
     ap.add_argument(
+        "--place-fit",
+        action="store_true",
+        help="isolation runs: also run --place-shared's policy with the long-context budget "
+        "admitting only what some designated replica can hold whole (long_context_fit)",
+    )
+    ap.add_argument(
+        "--fit-packed",
+        action="store_true",
+        help="isolation runs: also run the new policy (packing by KV) with the long-context "
+        "budget admitting only what some designated replica can hold whole "
+        "(long_context_fit)",
+    )
+    ap.add_argument(
         "--skip-arm",
         action="append",
         default=[],
@@ -2469,6 +2498,7 @@ def main(argv: list[str] | None = None) -> int:
                 reserved_long_rule_on=args.reserved_long_rule_on, pool_caps=pool_caps,
                 lc_before=args.lc_before, lane_off=args.lane_off,
                 place_own=args.place_own, place_shared=args.place_shared,
+                place_fit=args.place_fit, fit_packed=args.fit_packed,
             )  # fmt: skip
             exps.update({k + (f", seed {seed}" if seeds else ""): v for k, v in arms.items()})
         exps = {k: v for k, v in exps.items() if not any(t in k for t in args.skip_arm)}
