@@ -129,6 +129,10 @@ class SimRequest:
     long_very: bool = False
     long_expected_s: float = 0.0
     long_hold_s: float = 0.0
+    # Where a request that is not a long context was dispatched (its last attempt), by the
+    # placement bands as gateway 0 saw the designated replicas at the last sample
+    # (``short_landing``): LANDED_*; "" before the first sample or without context placement.
+    landed: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +219,10 @@ class FleetConfig:
     prefill_placement: bool = False
     place_shared: bool = False
     # bench/results/fleet_sim_isolation_place.md, fleet_sim_isolation_place2.md
+    # AdmissionConfig.long_context_fit (the gateway's default, off): the budget admits an
+    # ask only while some designated replica can hold it whole (``long_context.fit_budget``),
+    # the arms of --place-fit and --fit-packed (bench/results/fleet_sim_isolation_fit.md).
+    lc_fit: bool = False
 
     def replica_long_prefill_tokens(self, idx: int) -> int:
         """Replica ``idx``'s --long-prefill-token-threshold (the pool is replicas
@@ -234,6 +242,7 @@ class FleetConfig:
             reserved_long_off_pool=self.reserved_long_off_pool,
             short_long_prefill_slots_per_replica=self.lane_slots,
             long_prefill_placement=self.prefill_placement,
+            long_context_fit=self.lc_fit,
             layers=frozenset(layers),
         )
 
@@ -250,6 +259,11 @@ class Series:
     rejected_first: list[int] = field(default_factory=list)  # 503s to first attempts
     errors: list[int] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
+    # With context placement, as gateway 0 sees them (``short_landing``): the designated
+    # replicas hosting long contexts, and the mean occupancy of the shared replicas hosting
+    # none (where short traffic goes first).
+    hosting: list[int] = field(default_factory=list)
+    short_band_occ: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -649,6 +663,10 @@ class FleetSim:
         # Per replica, the long prefills in flight there (lease -> request): dispatched, no
         # first token yet (``long_prefill_contention``'s measurement).
         self.long_prefills: list[dict[str, SimRequest]] = [{} for _ in range(cfg.replicas)]
+        # The designated replicas and those of them hosting long contexts at the last sample,
+        # as gateway 0 sees them (``SimRequest.landed``)
+        self.designated: frozenset[int] = frozenset()
+        self.hosting: frozenset[int] = frozenset()
 
     # -- events ------------------------------------------------------------------------
 
@@ -832,6 +850,8 @@ class FleetSim:
         r.sent = now
         r.status = "pending"
         r.replica = idx
+        if not long_context and self.designated:
+            r.landed = landed(idx, idx < cfg.reserved_replicas, self.designated, self.hosting)
         if long_context:
             self._note_long_prefill(r, lease, idx)
             self.ledger.placed(lease, record.replica_id)
@@ -981,6 +1001,17 @@ class FleetSim:
         s.rejected_first.append(self._tick["rejected_first"])
         s.errors.append(self._tick["errors"])
         self._tick = dict.fromkeys(self._tick, 0)
+        if self.adm.context_placement:
+            # read-only: the views a choice would build (their pruning of settled in-flight
+            # entries is what the next choice would do anyway)
+            views = self.gws[0].router.views(self.gws[0].version)
+            self.designated = frozenset(int(v.replica_id) for v in views if designated(v))
+            self.hosting = frozenset(
+                int(v.replica_id) for v in views if designated(v) and v.hosts_long
+            )
+            s.hosting.append(len(self.hosting))
+            free = [v.occupancy for v in views if v.pool != "reserved" and not v.hosts_long]
+            s.short_band_occ.append(float(np.mean(free)) if free else float("nan"))
 
     def _tokens(self) -> np.ndarray:
         return np.array([r.engine.stats.generation_tokens for r in self.replicas])
@@ -1143,6 +1174,8 @@ def isolation_experiments(
     lane_off: bool = False,
     place_own: bool = False,
     place_shared: bool = False,
+    place_fit: bool = False,
+    fit_packed: bool = False,
 ) -> dict[str, FleetConfig]:
     """The several-heavy-tenants variant, old policy against new in one run: ``heavy``
     standard tenants flooding 128k prompts (at ``heavy_rates``, cycled) on top of the
@@ -1161,7 +1194,10 @@ def isolation_experiments(
     long-context budget's lane (``FleetConfig.lane_slots`` 0: one tier); with ``place_own``,
     also the new policy placing long contexts by their prefill slots as each gateway knows
     its own (``FleetConfig.prefill_placement``); with ``place_shared``, also that with every
-    gateway seeing all long prefills in flight per replica (``FleetConfig.place_shared``)."""
+    gateway seeing all long prefills in flight per replica (``FleetConfig.place_shared``);
+    with ``place_fit``, also that with the budget admitting only what some designated
+    replica can hold whole (``FleetConfig.lc_fit``); with ``fit_packed``, also the new
+    policy (packing by KV) with that rule."""
     base = scale.config(seed)
     if heavy_duration_s:
         base = replace(base, duration_s=heavy_duration_s, warmup_s=heavy_duration_s / 3)
@@ -1185,6 +1221,12 @@ def isolation_experiments(
         out[f"new, prefill slots fleet-wide, {heavy} heavy tenants"] = replace(
             new, prefill_placement=True, place_shared=True
         )
+    if place_fit:
+        out[f"new, prefill slots fleet-wide, whole-context budget, {heavy} heavy tenants"] = (
+            replace(new, prefill_placement=True, place_shared=True, lc_fit=True)
+        )
+    if fit_packed:
+        out[f"new, whole-context budget, {heavy} heavy tenants"] = replace(new, lc_fit=True)
     if reserved_rule_off:
         out[f"new, reserved on idle designated replicas, {heavy} heavy tenants"] = replace(
             new, reserved_off_long=False
@@ -1516,9 +1558,93 @@ def write_isolation_report(
     if any(r.cfg.isolation for r in results.values()):
         rows += _contention_section(results)
         rows += _placement_refusal_section(results)
+        rows += _landing_section(results)
     path = out_dir / report_name
     path.write_text("\n".join(rows) + "\n")
     return path
+
+
+LANDED_POOL = "reserved pool"
+LANDED_HOSTING = "designated, hosting long"
+LANDED_IDLE = "designated, hosting none"
+LANDED_OTHER = "other shared"
+LANDINGS = (LANDED_POOL, LANDED_OTHER, LANDED_IDLE, LANDED_HOSTING)
+
+
+def landed(idx: int, pool: bool, designated: frozenset[int], hosting: frozenset[int]) -> str:
+    """Which placement band replica ``idx`` was in for short traffic (``SimRequest.landed``):
+    the reserved pool, a shared replica not designated for long contexts, a designated one
+    hosting none, or one hosting some (short traffic's last band, ``placement.score``)."""
+    if pool:
+        return LANDED_POOL
+    if idx in hosting:
+        return LANDED_HOSTING
+    return LANDED_IDLE if idx in designated else LANDED_OTHER
+
+
+@dataclass(frozen=True, slots=True)
+class LandingRow:
+    """``short_landing``'s figures for one band."""
+
+    band: str
+    n: int
+    share: float  # of the measured short requests that reached a replica
+    ttft_p95: float  # s, from this attempt's dispatch (``SimResult.ttfts``)
+    ttft_p99: float
+
+
+def short_landing(res: SimResult) -> list[LandingRow]:
+    """Where the others' measured requests that are not long contexts were dispatched (the
+    last attempt; ``SimRequest.landed``), per band, with their TTFT there: how much of the
+    short traffic the replicas hosting long contexts pushed elsewhere."""
+    meas = [r for r in res.measured() if not r.heavy and r.landed and r.first_token is not None]
+    out = []
+    for band in LANDINGS:
+        sub = [r for r in meas if r.landed == band]
+        t = res.ttfts(sub)
+        out.append(
+            LandingRow(band, len(sub), len(sub) / len(meas) if meas else 0.0,
+                       _p(t, 95) if t else float("nan"), _p(t, 99) if t else float("nan"))
+        )  # fmt: skip
+    return out
+
+
+def _landing_section(results: dict[str, SimResult]) -> list[str]:
+    """``short_landing`` for every run with context placement, and how many designated
+    replicas hosted long contexts."""
+    runs = {k: v for k, v in results.items() if v.series.hosting}
+    if not runs:
+        return []
+    rows = [
+        "",
+        "## Where short requests landed",
+        "",
+        "The others' measured requests that are not long contexts, by the placement band of "
+        "the replica their last attempt went to (`bench.fleet_sim.short_landing`; the "
+        "designated replicas and which of them host long contexts as gateway 0 saw them at "
+        "the last 1-s sample): share and TTFT p95 / p99 (from dispatch); and, over the "
+        "measured window, the mean number of designated replicas hosting long contexts and "
+        "the mean scraped occupancy of the shared replicas hosting none (short traffic's "
+        "first band).",
+        "",
+        "| run | designated hosting (mean) | occupancy of the rest | "
+        + " | ".join(f"{b}: share, TTFT p95 / p99 ms" for b in LANDINGS)
+        + " |",
+        "|---|---|---|" + "---|" * len(LANDINGS),
+    ]
+    for name, res in runs.items():
+        win = _series_window(res, res.cfg.warmup_s)
+        hosting = np.asarray(res.series.hosting, dtype=float)[win]
+        occ = np.asarray(res.series.short_band_occ, dtype=float)[win]
+        cells = [
+            f"{_pct(x.share)} ({x.n}), {_ms(x.ttft_p95)} / {_ms(x.ttft_p99)}" if x.n else "–"
+            for x in short_landing(res)
+        ]
+        rows.append(
+            _md_row([name, f"{float(np.nanmean(hosting)):.1f}", f"{float(np.nanmean(occ)):.3f}",
+                     *cells])
+        )  # fmt: skip
+    return rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -2397,6 +2523,19 @@ def main(argv: list[str] | None = None) -> int:
         "there (Router.note_placed_long), not only its own",
     )
     ap.add_argument(
+        "--place-fit",
+        action="store_true",
+        help="isolation runs: also run --place-shared's policy with the long-context budget "
+        "admitting only what some designated replica can hold whole (long_context_fit)",
+    )
+    ap.add_argument(
+        "--fit-packed",
+        action="store_true",
+        help="isolation runs: also run the new policy (packing by KV) with the long-context "
+        "budget admitting only what some designated replica can hold whole "
+        "(long_context_fit)",
+    )
+    ap.add_argument(
         "--skip-arm",
         action="append",
         default=[],
@@ -2469,6 +2608,7 @@ def main(argv: list[str] | None = None) -> int:
                 reserved_long_rule_on=args.reserved_long_rule_on, pool_caps=pool_caps,
                 lc_before=args.lc_before, lane_off=args.lane_off,
                 place_own=args.place_own, place_shared=args.place_shared,
+                place_fit=args.place_fit, fit_packed=args.fit_packed,
             )  # fmt: skip
             exps.update({k + (f", seed {seed}" if seeds else ""): v for k, v in arms.items()})
         exps = {k: v for k, v in exps.items() if not any(t in k for t in args.skip_arm)}

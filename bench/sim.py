@@ -256,8 +256,10 @@ class LongContextLedger:
                 prefill_by[x.tenant] = prefill_by.get(x.tenant, 0) + 1
                 if x.very_long:
                     long_by[x.tenant] = long_by.get(x.tenant, 0) + 1
+        # with long_context_fit, the budget this ask's size is judged against (fit_budget),
+        # as the gateway's ask carries it
         budget, slots = long_context_budget(self.version, self.shared_replicas, "standard",
-                                            self.adm)  # fmt: skip
+                                            self.adm, need)  # fmt: skip
         tier = self.tier(prompt)
         lane = self.lane_slots
         now_ms = store_ms(now)

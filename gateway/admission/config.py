@@ -186,10 +186,23 @@ class AdmissionConfig:
     # heavy tenants' long contexts completed nearly twice as often, the others' attainment
     # and the reserved class unchanged, but the others' TTFT p95 rose 40-60 ms and placement
     # refused ~1,200-1,400 long contexts the budget had admitted per run (whole contexts do
-    # not fit the room the budget counts once they are spread); each process's own count
+    # not fit the room the budget counts once they are spread; long_context_fit below ends
+    # those, bench/results/fleet_sim_isolation_fit.md); each process's own count
     # alone (before the record) left the stacking as it was and cost the others 0.3-0.4
     # points (bench/results/fleet_sim_isolation_place.md).
     long_prefill_placement: bool = False
+    # The long-context budget admits only what some designated replica can hold whole: an
+    # ask of ``need`` bytes is judged against the budget less (designated - 1) x need
+    # (``long_context.fit_budget``: then, by pigeonhole, some designated replica's
+    # long-context floor leaves room for it under the class ceiling). Off (the default):
+    # the designated replicas' KV up to the ceiling counts as one pool, and once long
+    # contexts spread over the replicas (long_prefill_placement) the room left is in pieces
+    # no 128k context fits: placement refused ~1,200-1,400 long contexts the budget had
+    # admitted per run (bench/results/fleet_sim_isolation_place2.md). With this rule and
+    # fleet-wide placement it refused 1 per run (the one before the first scrape) and the
+    # budget's 503s in all fell; with packing by KV (the default placement) it changed
+    # nothing measurable, so it stays off (bench/results/fleet_sim_isolation_fit.md).
+    long_context_fit: bool = False
     # The share of a replica step's token budget one prefill may take: vLLM's
     # --long-prefill-token-threshold over max_num_batched_tokens (5,242 / 8,192 in the
     # platform's replica command, 655 / 1,024 in the benches). A lane prompt beside a very

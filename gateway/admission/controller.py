@@ -251,15 +251,17 @@ class AdmissionController:
         if not cfg.enforces("long_context") or plan == "reserved" or not self.is_long_context(req):
             return None
         shared = sum(1 for r in version.replicas if r.pool != "reserved")
-        budget, slots = long_context_budget(version, max(1, shared), plan, cfg)
+        # what the ceiling check reserves on its replica: the prompt and the output growth
+        # (gateway/admission/placement.py's ``request_bytes``), so the budget and the
+        # ceilings count the same KV
+        need = max(0, req.prompt_tokens_est) * version.kv_bytes_per_token
+        need += self.output_growth_bytes(req)
+        # with long_context_fit, the budget this ask's size is judged against (fit_budget)
+        budget, slots = long_context_budget(version, max(1, shared), plan, cfg, need)
         tier = long_context_tier(req.prompt_tokens_est, version, cfg)
         return LongContextAsk(
             cls=plan,
-            # what the ceiling check reserves on its replica: the prompt and the output
-            # growth (gateway/admission/placement.py's ``request_bytes``), so the budget and
-            # the ceilings count the same KV
-            kv_bytes=max(0, req.prompt_tokens_est) * version.kv_bytes_per_token
-            + self.output_growth_bytes(req),
+            kv_bytes=need,
             budget_bytes=budget,
             prefill_slots=slots,
             # its expected first token (attention included), recorded in its lease: what a

@@ -24,16 +24,56 @@ from gateway.admission.retry import long_context_retry_latest_ms
 
 
 def long_context_budget(
-    version: ModelVersionLike, shared_replicas: int, cls: EffectiveClass, cfg: AdmissionConfig
+    version: ModelVersionLike,
+    shared_replicas: int,
+    cls: EffectiveClass,
+    cfg: AdmissionConfig,
+    need: int | None = None,
 ) -> tuple[int, int]:
     """The fleet's long-context budget for one class of a version: (KV bytes, concurrent
     long prefills). The designated replicas' KV up to the class ceiling, and one long
     prefill per designated replica at a time (vLLM runs ``--max-long-partial-prefills``
-    of them per step; more only share the same compute and stretch every step longer)."""
+    of them per step; more only share the same compute and stretch every step longer).
+    With ``long_context_fit`` and the ask's ``need`` (its KV bytes), the KV an ask of that
+    size is judged against (``fit_budget``)."""
     n = long_context_replicas(shared_replicas, cfg)
     capacity = version.kv_capacity_tokens * version.kv_bytes_per_token
     kv = math.floor(n * capacity * occupancy_ceiling(cls, cfg))
+    if cfg.long_context_fit and need is not None:
+        kv = fit_budget(kv, need, n)
     return kv, n * cfg.long_prefill_slots_per_replica
+
+
+def fit_budget(budget: int, need: int, designated: int) -> int:
+    """The long-context budget an ask of ``need`` KV bytes is judged against so that, once
+    admitted, some designated replica can hold it whole (``long_context_fit``): ``budget``
+    (``floor(n * cap * C)``: ``n = designated`` replicas of ``cap`` bytes each, filled to
+    the class ceiling ``C``) less ``(n - 1) * need`` and one byte, never below 0.
+
+    The rule: admit (``total + need <= fit_budget``, the budget's KV clause with this
+    budget) only when the fleet's long-context KV in flight before the ask, ``total``,
+    satisfies ``total + n * need < n * cap * C``, i.e. ``total < n * (cap * C - need)``.
+    Why that suffices (pigeonhole): placement fits the ask on a designated replica whose
+    long-context KV ``L_i`` (its floor, ``placement.long_floors``) leaves
+    ``L_i + need < cap * C`` (``placement.fits_ceiling``, strict for the budget's
+    classes). If no replica did, every ``L_i >= cap * C - need``, so the floors would sum
+    to at least ``n * (cap * C - need) > total``; but the floors charge the fleet's
+    long-context KV in flight and never more (each lease where it is recorded placed, the
+    rest packed onto the room left), so they sum to at most ``total``. The ask's own size
+    is enough, no largest context is needed: the argument is about this ask fitting, and
+    each later ask is judged by its own size against the total it finds. The one byte
+    makes the inequality strict (``floor`` already keeps ``budget <= n * cap * C``). An
+    empty budget still runs any one request alone (``long_context_refusal``): with nothing
+    in flight every floor is 0.
+
+    It bounds the long-context floors only: a designated replica's scraped and in-flight
+    KV (short traffic sent there, ``ReplicaView.load``) can still be over it, and a
+    replica with room need not have a prefill slot free (``prefill_slot_free`` only orders
+    the candidates). The cost: against the whole pool the budget gives up
+    ``(n - 1) * need``, about ``n * need``: with 128k contexts at 0.23 of a replica and
+    ``C`` 0.85, 0.62 of each designated replica's KV instead of 0.85, where packing whole
+    contexts could hold 0.69 (three of them)."""
+    return max(0, budget - max(0, designated - 1) * max(0, need) - 1)
 
 
 def long_context_lane_slots(shared_replicas: int, cfg: AdmissionConfig) -> int:

@@ -7,6 +7,7 @@ script's clause against the pure rule's decision by decision (``_admits_as_the_r
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -92,6 +93,30 @@ async def test_long_slots_full_while_the_lane_is_free(aredis: aioredis.Redis, li
     assert await both(aredis, lim, very_long) == (C.LONG_SLOTS_FULL, C.LONG_SLOTS_FULL)
     # a shorter one takes the lane
     await admitted(lim, ask("b", 1, slots=1, lane=1, very_long=False))
+
+
+async def test_kv_full_for_the_whole_context_budget(aredis: aioredis.Redis, lim: Limiter) -> None:
+    """``long_context_fit``: the ask carries the budget its own size is judged against
+    (``fit_budget``, here 2 designated replicas: 100 GiB less one ask and a byte), and both
+    scripts and the pure rule refuse the fourth 20 GiB ask, which the whole pool would
+    admit, for the budget's KV."""
+
+    def fit(tenant: str) -> QuotaRequest:
+        req = ask(tenant, 20)
+        assert req.long is not None
+        budget = long_context.fit_budget(req.long.budget_bytes, req.long.kv_bytes, 2)
+        return replace(req, long=replace(req.long, budget_bytes=budget))
+
+    for t in "abc":
+        await admitted(lim, fit(t))
+    d = fit("d")
+    assert d.long is not None
+    assert long_context.long_context_refusal(
+        tenant="d", need=20 * GIB, budget=d.long.budget_bytes, slots=100,
+        usage={t: 20 * GIB for t in "abc"}, prefilling=3, waiting=set(),
+    ) == C.KV_FULL  # fmt: skip
+    assert await both(aredis, lim, d) == (C.KV_FULL, C.KV_FULL)
+    await admitted(lim, ask("d", 20))  # the pool's budget: 80 of 100 GiB
 
 
 async def test_yield_slot_to_a_waiter_ahead(aredis: aioredis.Redis, lim: Limiter) -> None:
