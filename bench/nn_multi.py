@@ -732,7 +732,9 @@ def _pooled_section(
             REFUSED_NOTE,
             "",
         ]
-    clauses += list(quiet_rows.values())
+    # one row per distinct quiet baseline: every flooder count of a seed shares its first
+    # quiet run, so the rows repeat
+    clauses += list(dict.fromkeys(quiet_rows.values()))
     return [*md, *clauses, "", *detail]
 
 

@@ -262,3 +262,17 @@ def test_pooled_section_pools_every_quiet_run_and_names_the_baseline() -> None:
         line.startswith("| tenant | TTFT p95 ratio (interval), n | TPOT p95 ratio (interval), n |")
         for line in md
     )
+
+
+def test_the_refusals_table_shows_a_seeds_quiet_run_once_for_every_flooder_count() -> None:
+    # two flooder counts share the seed's first quiet run: one quiet row, not two
+    quiet, quiet2, c = _runs()
+    pooled = {
+        (n, arm): [(run, Baseline(quiet, (quiet2,)) if arm == "c" else Baseline(quiet))]
+        for n in (1, 2)
+        for arm, run in (("c", c), ("quiet2", quiet2))
+    }
+    md = _pooled_section(pooled, {"noisy"})
+    refusal_rows = [line for line in md if line.startswith("| quiet | ")]
+    assert len(refusal_rows) == 1
+    assert [line for line in md if line.startswith("| 2 × c | ")]
