@@ -225,8 +225,10 @@ class AdmissionConfig:
     # The long-context hold (gateway/admission/hold.py): a request the budget refuses with a
     # told wait is held by the gateway, waits that wait and asks again, while its whole hold
     # stays within long_context_hold_s, instead of getting the 503 (0: off, the 503 at once;
-    # not measured yet). Per process at most long_context_hold_per_tenant held requests of
-    # one tenant and long_context_hold_max in all; past either, the 503 at once.
+    # bench/results/nn_hold: no neighbour's long prompt finally refused, their tenants'
+    # TPOT tail up to 1.06x pooled: off by default). Per process at most
+    # long_context_hold_per_tenant held requests of one tenant and long_context_hold_max in
+    # all; past either, the 503 at once.
     long_context_hold_s: float = 0.0
     long_context_hold_per_tenant: int = 4
     long_context_hold_max: int = 64
